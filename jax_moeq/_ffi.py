@@ -1,0 +1,106 @@
+"""Loading of the native libraries and registration of their FFI targets.
+
+The CPU library is a pybind11 extension (`jax_moeq._cpu_ffi`) built with the
+package. The CUDA library is a plain C-ABI shared object
+(`jax_moeq/lib/libjax_moeq_cuda.so`) loaded with ctypes, so it does not depend
+on the Python version; it exists only where nvcc was found at build time.
+Both register their handlers with XLA exactly once, on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger("jax_moeq")
+
+_PKG_DIR = Path(__file__).resolve().parent
+CUDA_LIBRARY_NAME = "libjax_moeq_cuda.so"
+
+
+class NativeLibraryError(RuntimeError):
+  """A native library needed by the chosen backend is missing or broken."""
+
+
+@functools.cache
+def cpu_module():
+  """Returns the CPU extension module, with its FFI targets registered."""
+  try:
+    from jax_moeq import _cpu_ffi  # pytype: disable=import-error
+  except ImportError as e:
+    raise NativeLibraryError(
+        "jax_moeq's CPU library (jax_moeq._cpu_ffi) is not built; install the "
+        "package with `pip install .` (or run scripts/dev_build.sh): " + str(e)
+    ) from e
+  for name, capsule in _cpu_ffi.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  return _cpu_ffi
+
+
+def cpu_library_available() -> bool:
+  try:
+    cpu_module()
+  except NativeLibraryError:
+    return False
+  return True
+
+
+def _cuda_library_path() -> Path | None:
+  override = os.environ.get("JAX_MOEQ_CUDA_LIBRARY")
+  candidates = [Path(override)] if override else []
+  candidates += [_PKG_DIR / "lib" / CUDA_LIBRARY_NAME, _PKG_DIR / CUDA_LIBRARY_NAME]
+  for path in candidates:
+    if path.is_file():
+      return path
+  return None
+
+
+@functools.cache
+def cuda_library() -> ctypes.CDLL:
+  """Returns the CUDA library, with its FFI targets registered for CUDA.
+
+  The library exports `jax_moeq_cuda_targets(const char*** names,
+  void*** handlers) -> int` listing every handler it defines.
+  """
+  path = _cuda_library_path()
+  if path is None:
+    raise NativeLibraryError(
+        "jax_moeq's CUDA library (libjax_moeq_cuda.so) was not built: install "
+        "on a machine with nvcc (JAX_MOEQ_CUDA=ON makes its absence an error)"
+    )
+  lib = ctypes.CDLL(str(path))
+  names = ctypes.POINTER(ctypes.c_char_p)()
+  handlers = ctypes.POINTER(ctypes.c_void_p)()
+  count = lib.jax_moeq_cuda_targets(ctypes.byref(names), ctypes.byref(handlers))
+  for i in range(count):
+    capsule = jax.ffi.pycapsule(ctypes.cast(handlers[i], ctypes.c_void_p))
+    jax.ffi.register_ffi_target(names[i].decode(), capsule, platform="CUDA")
+  return lib
+
+
+def cuda_library_available() -> bool:
+  try:
+    cuda_library()
+  except (NativeLibraryError, OSError, AttributeError):
+    return False
+  return True
+
+
+def cuda_compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the first CUDA device JAX sees, or None."""
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:
+    return None
+  if not devices:
+    return None
+  cc = getattr(devices[0], "compute_capability", None)
+  if cc is None:
+    return None
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
