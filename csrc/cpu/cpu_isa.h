@@ -1,0 +1,21 @@
+// Run-time choice of the SIMD path for the CPU kernels: one dispatch point.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace jax_moeq::cpu {
+
+enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+
+const char* IsaName(Isa isa);
+// Paths this machine can run, best first. Always contains kPortable.
+std::vector<Isa> AvailableIsas();
+// The best available path, unless JAX_MOEQ_CPU_ISA names another
+// ("avx512_vnni", "avx2", "portable"). Sets *error for an unknown or
+// unavailable name and then returns kPortable.
+Isa SelectIsa(std::string* error);
+// Parses an ISA name; returns false when unknown.
+bool ParseIsa(const std::string& name, Isa* isa);
+
+}  // namespace jax_moeq::cpu

@@ -1,0 +1,48 @@
+// int4-weight x int8-activation GEMM over the packed layout of w4a8_layout.h.
+// One implementation per ISA (w4a8_gemm_<isa>.cc), all with this signature.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/cpu_isa.h"
+#include "cpu/w4a8_layout.h"
+
+namespace jax_moeq::cpu {
+
+// Rows of quantized activations, selected through an index list so that one
+// quantized token can feed every expert it is routed to without copies.
+struct QuantizedActivations {
+  const int8_t* values;   // [rows][k]
+  const float* scale;     // [rows]
+  const int32_t* zero_point;  // [rows]
+  const int32_t* sum8;    // [rows][groups]: 8 * sum of the group's values
+};
+
+struct W4A8GemmArgs {
+  const uint8_t* weights;     // one expert, packed
+  PackedGemmShape shape;
+  QuantizedActivations act;
+  const int32_t* rows;        // [m]: rows of `act` to multiply
+  int64_t m;
+  float* out;                 // [m][shape.n], row i for rows[i]
+  int64_t tile_begin;         // output tiles [tile_begin, tile_end) of 16 rows
+  int64_t tile_end;
+};
+
+void W4A8GemmPortable(const W4A8GemmArgs& args);
+#if defined(JAX_MOEQ_X86)
+void W4A8GemmAvx2(const W4A8GemmArgs& args);
+void W4A8GemmAvx512Vnni(const W4A8GemmArgs& args);
+#endif
+
+inline void W4A8Gemm(Isa isa, const W4A8GemmArgs& args) {
+  switch (isa) {
+#if defined(JAX_MOEQ_X86)
+    case Isa::kAvx512Vnni: return W4A8GemmAvx512Vnni(args);
+    case Isa::kAvx2: return W4A8GemmAvx2(args);
+#endif
+    default: return W4A8GemmPortable(args);
+  }
+}
+
+}  // namespace jax_moeq::cpu

@@ -1,0 +1,12 @@
+"""jax_moeq: int4 Mixture-of-Experts kernels for JAX (CPU W4A8, Hopper WNA16 / MxInt4)."""
+
+__version__ = "0.1.0"
+
+# CPU W4A8 op and packer.
+from jax_moeq.ops.w4a8_cpu import convert_to_w4a8_int8_moe_format, dynamic_4bit_int_moe
+
+# Quantization, routing, reference (helper-1).
+
+# Oracle, weights, fused_moe (helper-2).
+
+# GPU ops (helpers 3 and 4): import lazily inside their modules; nothing CUDA at import time.
