@@ -10,6 +10,7 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpuInto(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
 
@@ -19,6 +20,8 @@ PYBIND11_MODULE(_cpu_ffi, m) {
     py::dict targets;
     targets["jax_moeq_w4a8_moe_cpu"] =
         py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeCpu));
+    targets["jax_moeq_w4a8_moe_cpu_into"] =
+        py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeCpuInto));
     return targets;
   });
   m.def("available_isas", []() {

@@ -82,17 +82,48 @@ ffi::Error W4A8MoeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
 }  // namespace
 }  // namespace jax_moeq::ffi_cpu
 
+namespace jax_moeq::ffi_cpu {
+namespace {
+
+// The same op writing into a caller-provided buffer (aliased to the output):
+// tests pass a NaN-filled one to prove every element is written.
+ffi::Error W4A8MoeIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                           ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::U8> w13_packed,
+                           ffi::Buffer<ffi::U8> w2_packed, ffi::AnyBuffer /*aliased out*/,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t hidden_size,
+                           int64_t intermediate_size, int64_t group_size,
+                           bool apply_router_weight_on_input, int64_t activation_kind) {
+  return W4A8MoeImpl(pool, x, topk_ids, topk_weights, w13_packed, w2_packed, out, hidden_size,
+                     intermediate_size, group_size, apply_router_weight_on_input,
+                     activation_kind);
+}
+
+auto BindInputs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()            // x [T, H]
+      .Arg<ffi::Buffer<ffi::S32>>()     // topk_ids [T, K]
+      .Arg<ffi::Buffer<ffi::F32>>()     // topk_weights [T, K]
+      .Arg<ffi::Buffer<ffi::U8>>()      // w13_packed [E, B13]
+      .Arg<ffi::Buffer<ffi::U8>>();     // w2_packed [E, B2]
+}
+
+template <typename Binding>
+auto BindAttrs(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()   // out [T, H]
+      .template Attr<int64_t>("hidden_size")
+      .template Attr<int64_t>("intermediate_size")
+      .template Attr<int64_t>("group_size")
+      .template Attr<bool>("apply_router_weight_on_input")
+      .template Attr<int64_t>("activation_kind");
+}
+
+}  // namespace
+}  // namespace jax_moeq::ffi_cpu
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeqW4A8MoeCpu, jax_moeq::ffi_cpu::W4A8MoeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("hidden_size")
-                                  .Attr<int64_t>("intermediate_size")
-                                  .Attr<int64_t>("group_size")
-                                  .Attr<bool>("apply_router_weight_on_input")
-                                  .Attr<int64_t>("activation_kind"));
+                              jax_moeq::ffi_cpu::BindAttrs(jax_moeq::ffi_cpu::BindInputs()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqW4A8MoeCpuInto, jax_moeq::ffi_cpu::W4A8MoeIntoImpl,
+    jax_moeq::ffi_cpu::BindAttrs(jax_moeq::ffi_cpu::BindInputs().Arg<ffi::AnyBuffer>()));

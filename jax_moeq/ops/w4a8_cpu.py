@@ -17,6 +17,8 @@ import numpy as np
 from jax_moeq import _ffi
 
 FFI_TARGET = "jax_moeq_w4a8_moe_cpu"
+# Same op writing into a given (aliased) buffer: lets tests poison the output.
+FFI_TARGET_INTO = "jax_moeq_w4a8_moe_cpu_into"
 TILE_ROWS = 16  # output rows per tile: one zmm of float32
 BLOCK_INPUTS = 8  # inputs per 64-byte block
 SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
@@ -206,11 +208,18 @@ def _validate_call(x, topk_ids, topk_weights, w13_packed, w2_packed, H, I, I2, g
 
 
 def _ffi_moe(x, topk_ids, topk_weights, w13_packed, w2_packed, *, H, I, group_size,
-             apply_router_weight_on_input, activation_kind):
+             apply_router_weight_on_input, activation_kind, out_buffer=None):
+  """The bare custom call (no Python-side validation: the handler validates)."""
   _ffi.cpu_module()
-  call = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  result = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  operands = (x, topk_ids, topk_weights, w13_packed, w2_packed)
+  if out_buffer is None:
+    call = jax.ffi.ffi_call(FFI_TARGET, result)
+  else:
+    call = jax.ffi.ffi_call(FFI_TARGET_INTO, result, input_output_aliases={5: 0})
+    operands += (out_buffer,)
   return call(
-      x, topk_ids, topk_weights, w13_packed, w2_packed,
+      *operands,
       hidden_size=np.int64(H), intermediate_size=np.int64(I), group_size=np.int64(group_size),
       apply_router_weight_on_input=bool(apply_router_weight_on_input),
       activation_kind=np.int64(activation_kind),
