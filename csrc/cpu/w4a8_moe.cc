@@ -1,171 +1,15 @@
 #include "cpu/w4a8_moe.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "cpu/w4a8_gemm.h"
 #include "cpu/w4a8_layout.h"
+#include "cpu/w4a8_rows.h"
 
 namespace jax_moeq::cpu {
 namespace {
-
-// ------------------------------------------------------------ element types
-// Round-to-nearest-even conversions, bit-compatible with XLA's converts.
-
-inline float Bf16ToFloat(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float F16ToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu;
-  uint32_t mant = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);
-  } else if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while ((mant & 0x400u) == 0);
-      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3FFu) << 13;
-    }
-  } else {
-    bits = sign | (exp + 112) << 23 | mant << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToF16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return sign | 0x7E00u;          // NaN
-  if (abs >= 0x477FF000u) return sign | 0x7C00u;         // rounds to inf
-  if (abs < 0x38800000u) {                                // subnormal or zero in f16
-    if (abs < 0x33000000u) return sign;                   // below half the smallest subnormal
-    const uint32_t exp = abs >> 23;
-    const uint32_t mant = (abs & 0x7FFFFFu) | 0x800000u;
-    const uint32_t shift = 126 - exp;                     // 14 - (exp - 127) + 13 - 1 + 1
-    uint32_t value = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1);
-    const uint32_t half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (value & 1u))) ++value;
-    return sign | static_cast<uint16_t>(value);
-  }
-  uint32_t value = abs - 0x38000000u;                     // rebias exponent 127 -> 15
-  value += 0xFFFu + ((value >> 13) & 1u);
-  return sign | static_cast<uint16_t>(value >> 13);
-}
-
-inline float RoundTo(ElementType t, float v) {
-  switch (t) {
-    case ElementType::kBF16: return Bf16ToFloat(FloatToBf16(v));
-    case ElementType::kF16: return F16ToFloat(FloatToF16(v));
-    default: return v;
-  }
-}
-
-void LoadRow(ElementType t, const void* base, int64_t row, int64_t n, float* dst) {
-  if (t == ElementType::kF32) {
-    std::memcpy(dst, static_cast<const float*>(base) + row * n, n * 4);
-    return;
-  }
-  const uint16_t* src = static_cast<const uint16_t*>(base) + row * n;
-  if (t == ElementType::kBF16) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = F16ToFloat(src[i]);
-  }
-}
-
-void StoreRow(ElementType t, const float* src, int64_t n, void* base, int64_t row) {
-  if (t == ElementType::kF32) {
-    std::memcpy(static_cast<float*>(base) + row * n, src, n * 4);
-    return;
-  }
-  uint16_t* dst = static_cast<uint16_t*>(base) + row * n;
-  if (t == ElementType::kBF16) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = FloatToF16(src[i]);
-  }
-}
-
-// --------------------------------------------------- activation quantization
-// SPEC §3 (KleidiAI qai8dxp): asymmetric int8 per row, float32 arithmetic in
-// the written order (this file is built with -ffp-contract=off).
-void QuantizeRow(const float* x, int64_t k, int64_t group, int8_t* q, float* scale,
-                 int32_t* zero_point, int32_t* sum8) {
-  float rmin = 0.0f, rmax = 0.0f;
-  for (int64_t i = 0; i < k; ++i) {
-    rmin = std::min(rmin, x[i]);
-    rmax = std::max(rmax, x[i]);
-  }
-  const int64_t groups = k / group;
-  if (rmax == rmin) {
-    std::memset(q, 0, k);
-    *scale = 0.0f;
-    *zero_point = 0;
-    std::fill(sum8, sum8 + groups, 0);
-    return;
-  }
-  const float s = (rmax - rmin) / 255.0f;
-  const float inv = 1.0f / s;
-  const float min_term = -128.0f + rmin * inv;
-  const float max_term = 127.0f + rmax * inv;
-  float zp = (min_term + max_term > 0.0f) ? (-128.0f - rmin * inv) : (127.0f - rmax * inv);
-  zp = std::min(127.0f, std::max(-128.0f, zp));
-  const int32_t zpi = static_cast<int32_t>(std::nearbyint(zp));
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    int32_t sum = 0;
-    for (int64_t i = gi * group; i < (gi + 1) * group; ++i) {
-      int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv)) + zpi;
-      v = std::min(127, std::max(-128, v));
-      q[i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    sum8[gi] = 8 * sum;
-  }
-  *scale = s;
-  *zero_point = zpi;
-}
-
-// ------------------------------------------------------------- activations
-inline float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
-
-void GatedActivation(ActivationKind kind, const float* gate, const float* up, int64_t n,
-                     float* out) {
-  if (kind == ActivationKind::kSwigluOai) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float g = std::min(gate[i], 7.0f);
-      const float u = std::min(7.0f, std::max(-7.0f, up[i]));
-      out[i] = (u + 1.0f) * (g * Sigmoid(1.702f * g));
-    }
-  } else {  // SwiGLU; vLLM maps SILU to silu-and-mul as well
-    for (int64_t i = 0; i < n; ++i) out[i] = gate[i] * Sigmoid(gate[i]) * up[i];
-  }
-}
 
 // --------------------------------------------------------------- scratch
 template <typename T>
@@ -309,16 +153,14 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
   for (int64_t pos = 0; pos < slots; ++pos) {
     rows1[pos] = per_slot ? static_cast<int32_t>(pos) : sorted_slot[pos] / static_cast<int32_t>(K);
   }
+  const RowOps& ops = RowOpsFor(isa);
   parallel_for(rows1_count, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t slot = per_slot ? sorted_slot[r] : -1;
-      LoadRow(p.dtype, p.x, per_slot ? slot / K : r, H, row.data());
-      if (per_slot) {
-        const float w = p.topk_weights[slot];
-        for (int64_t j = 0; j < H; ++j) row[j] = RoundTo(p.dtype, row[j] * w);
-      }
-      QuantizeRow(row.data(), H, shape13.group, q1 + r * H, s1 + r, zp1 + r, sum1 + r * g1);
+      ops.load(p.dtype, p.x, per_slot ? slot / K : r, H, row.data());
+      if (per_slot) ops.scale_round(p.dtype, p.topk_weights[slot], row.data(), H);
+      ops.quantize(row.data(), H, shape13.group, q1 + r * H, s1 + r, zp1 + r, sum1 + r * g1);
     }
   });
 
@@ -340,10 +182,8 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
     std::vector<float> act(I);
     for (int64_t r = begin; r < end; ++r) {
       float* y = y13 + r * 2 * I;
-      for (int64_t j = 0; j < 2 * I; ++j) y[j] = RoundTo(p.dtype, y[j]);
-      GatedActivation(p.activation, y, y + I, I, act.data());
-      for (int64_t j = 0; j < I; ++j) act[j] = RoundTo(p.dtype, act[j]);
-      QuantizeRow(act.data(), I, shape2.group, q2 + r * I, s2 + r, zp2 + r, sum2 + r * g2);
+      ops.activate(p.dtype, p.activation, y, y + I, I, act.data());
+      ops.quantize(act.data(), I, shape2.group, q2 + r * I, s2 + r, zp2 + r, sum2 + r * g2);
     }
   });
 
@@ -361,15 +201,10 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t slot = t * K + k;
-        const float* y = y2 + static_cast<int64_t>(slot_pos[slot]) * H;
-        const float w = p.topk_weights[slot];
-        for (int64_t j = 0; j < H; ++j) {
-          float v = RoundTo(p.dtype, y[j]);
-          if (!per_slot) v = RoundTo(p.dtype, v * w);
-          acc[j] = RoundTo(p.dtype, acc[j] + v);
-        }
+        ops.accumulate(p.dtype, y2 + static_cast<int64_t>(slot_pos[slot]) * H,
+                       p.topk_weights[slot], !per_slot, acc.data(), H);
       }
-      StoreRow(p.dtype, acc.data(), H, p.out, t);
+      ops.store(p.dtype, acc.data(), H, p.out, t);
     }
   });
   return "";

@@ -8,12 +8,9 @@
 #include <string>
 
 #include "cpu/cpu_isa.h"
+#include "cpu/types.h"
 
 namespace jax_moeq::cpu {
-
-enum class ElementType { kF32, kBF16, kF16 };
-
-enum class ActivationKind : int64_t { kSwigluStep = 0, kSwigluOai = 1, kSilu = 2 };
 
 struct W4A8MoeProblem {
   ElementType dtype;

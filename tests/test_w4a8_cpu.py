@@ -1,0 +1,311 @@
+"""CPU W4A8 fused MoE kernel vs the same-scheme jnp reference (SPEC §3-4, §9).
+
+Tolerances (SPEC §9): relative Frobenius error <= 1e-4 in float32 (the kernel
+sums groups in another order and folds the zero point per row, ~1e-6, plus rare
+int8 rounding flips), <= 1e-2 in bfloat16/float16 (a flip of one bf16 rounding
+of an intermediate moves it by 2^-8; such flips are rare and local).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_moeq import _ffi, reference
+from jax_moeq.ops import w4a8_cpu
+
+pytestmark = pytest.mark.skipif(
+    not _ffi.cpu_library_available(), reason="jax_moeq CPU library not built"
+)
+
+ISAS = _ffi.cpu_module().available_isas() if _ffi.cpu_library_available() else ["portable"]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+GROUP_SIZES = [32, 64, 128, -1]
+TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+
+
+def make_problem(seed, *, T, E, K, H, I, group_size, dtype, bias):
+  """Fresh random int4 experts, scales, routing and activations (never zeros)."""
+  rng = np.random.default_rng(seed)
+
+  def scales(n, k):
+    if group_size == -1:
+      return jnp.asarray(rng.uniform(0.5, 1.5, (E, n, 1)) / (8 * np.sqrt(k)), jnp.float32)
+    return jnp.asarray(rng.uniform(0.5, 1.5, (E, n, k // group_size)) / (8 * np.sqrt(k)),
+                       jnp.bfloat16)
+
+  p = dict(
+      x=jnp.asarray(rng.standard_normal((T, H)), dtype),
+      topk_ids=jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32),
+      topk_weights=jnp.asarray(rng.uniform(0.05, 1.0, (T, K)), jnp.float32),
+      w13_q=jnp.asarray(rng.integers(-8, 8, (E, 2 * I, H)), jnp.int8),
+      w2_q=jnp.asarray(rng.integers(-8, 8, (E, H, I)), jnp.int8),
+      w13_scale=scales(2 * I, H),
+      w2_scale=scales(H, I),
+      w13_bias=jnp.asarray(rng.standard_normal((E, 2 * I)) * 0.5, jnp.float32) if bias else None,
+      w2_bias=jnp.asarray(rng.standard_normal((E, H)) * 0.5, jnp.float32) if bias else None,
+  )
+  packed = jax.jit(w4a8_cpu.convert_to_w4a8_int8_moe_format, static_argnums=4)(
+      p["w13_q"], p["w2_q"], p["w13_scale"], p["w2_scale"], group_size,
+      p["w13_bias"], p["w2_bias"])
+  p["w13_packed"], p["w2_packed"] = packed[0], packed[1]
+  return p
+
+
+def run_reference(p, *, group_size, apply_router_weight_on_input, activation_kind):
+  f = jax.jit(reference.fused_moe_w4a8, static_argnums=7,
+              static_argnames=("apply_router_weight_on_input", "activation_kind"))
+  return f(p["x"], p["topk_ids"], p["topk_weights"], p["w13_q"], p["w13_scale"], p["w2_q"],
+           p["w2_scale"], group_size, w13_bias=p["w13_bias"], w2_bias=p["w2_bias"],
+           apply_router_weight_on_input=apply_router_weight_on_input,
+           activation_kind=activation_kind)
+
+
+def run_kernel_poisoned(p, *, H, I, group_size, apply_router_weight_on_input, activation_kind):
+  """Runs the kernel writing into a NaN-filled buffer: unwritten elements stay NaN."""
+  poison = jnp.full(p["x"].shape, jnp.nan, p["x"].dtype)
+  f = jax.jit(lambda *a: w4a8_cpu._ffi_moe(
+      *a[:5], H=H, I=I, group_size=group_size,
+      apply_router_weight_on_input=apply_router_weight_on_input,
+      activation_kind=activation_kind, out_buffer=a[5]))
+  return f(p["x"], p["topk_ids"], p["topk_weights"], p["w13_packed"], p["w2_packed"], poison)
+
+
+def rel_err(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def check_case(seed, *, T, E, K, H, I, group_size, dtype, bias, on_input, kind):
+  p = make_problem(seed, T=T, E=E, K=K, H=H, I=I, group_size=group_size, dtype=dtype, bias=bias)
+  got = run_kernel_poisoned(p, H=H, I=I, group_size=group_size,
+                            apply_router_weight_on_input=on_input, activation_kind=kind)
+  want = run_reference(p, group_size=group_size, apply_router_weight_on_input=on_input,
+                       activation_kind=kind)
+  assert got.dtype == dtype and got.shape == (T, H)
+  assert np.isfinite(np.asarray(got, np.float32)).all(), "kernel left unwritten (NaN) elements"
+  assert np.linalg.norm(np.asarray(want, np.float64)) > 0
+  err = rel_err(got, want)
+  assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+# Every SIMD path x dtype x group size x activation kind; the other axes
+# (T, E, K, bias, router weight on input) cycle through their grids so that
+# each value is met on every path.
+_T = [1, 2, 7, 16, 64, 257]
+_EK = [(1, 1), (4, 2), (8, 4), (64, 8), (8, 2), (4, 4)]
+_CASES = list(itertools.product(DTYPES, GROUP_SIZES, [0, 1, 2]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", range(len(_CASES)))
+def test_kernel_matches_reference(isa, case, monkeypatch):
+  monkeypatch.setenv("JAX_MOEQ_CPU_ISA", isa)
+  dtype, group_size, kind = _CASES[case]
+  E, K = _EK[case % len(_EK)]
+  T = _T[(case + len(isa)) % len(_T)]
+  if isa == "portable":  # scalar path: keep its shapes small
+    T = min(T, 16)
+  H, I = (128, 256) if case % 2 else (256, 128)
+  check_case(1000 + case, T=T, E=E, K=K, H=H, I=I, group_size=group_size, dtype=dtype,
+             bias=bool(case % 3 == 1), on_input=bool(case % 4 == 2), kind=kind)
+
+
+@pytest.mark.parametrize(
+    "T,E,K,H,I,group_size,dtype",
+    [
+        (16, 8, 2, 1024, 256, 128, jnp.bfloat16),
+        (7, 4, 4, 256, 1024, 64, jnp.float32),
+        (64, 8, 2, 1024, 1024, -1, jnp.float16),
+        (257, 64, 8, 128, 128, 32, jnp.bfloat16),
+        (3, 64, 1, 1024, 128, 32, jnp.float32),
+    ],
+)
+def test_kernel_large_dims(T, E, K, H, I, group_size, dtype):
+  check_case(7, T=T, E=E, K=K, H=H, I=I, group_size=group_size, dtype=dtype, bias=True,
+             on_input=False, kind=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_simd_paths_agree(isa, monkeypatch):
+  """All paths compute the same integers; only float summation order differs."""
+  p = make_problem(3, T=33, E=8, K=2, H=256, I=128, group_size=64, dtype=jnp.float32, bias=True)
+  args = (p["x"], p["topk_ids"], p["topk_weights"], p["w13_packed"], p["w2_packed"], 256, 128,
+          256, 64)
+  monkeypatch.setenv("JAX_MOEQ_CPU_ISA", "portable")
+  base = w4a8_cpu.dynamic_4bit_int_moe(*args)
+  monkeypatch.setenv("JAX_MOEQ_CPU_ISA", isa)
+  assert w4a8_cpu._ffi.cpu_module().selected_isa() == isa
+  assert rel_err(w4a8_cpu.dynamic_4bit_int_moe(*args), base) < 1e-5
+
+
+def test_matches_unquantized_moe_within_quantization_noise():
+  """Kernel on quantize_int4'd float experts vs the float MoE: int4 weights
+  (~1/15 of the group range per step) and int8 activations leave ~10 % noise
+  per GEMM (SPEC §9); a wrong layout or scale would give ~100 %."""
+  from jax_moeq.quant import int4
+  rng = np.random.default_rng(11)
+  E, K, T, H, I = 8, 2, 32, 256, 128
+  w13 = jnp.asarray(rng.standard_normal((E, 2 * I, H)) / np.sqrt(H), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((E, H, I)) / np.sqrt(I), jnp.float32)
+  q13, s13 = int4.quantize_int4(w13, 64)
+  q2, s2 = int4.quantize_int4(w2, 64)
+  w13_packed, w2_packed, *_ = w4a8_cpu.convert_to_w4a8_int8_moe_format(q13, q2, s13, s2, 64)
+  x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1, (T, K)), jnp.float32)
+  got = w4a8_cpu.dynamic_4bit_int_moe(x, ids, weights, w13_packed, w2_packed, H, I, 2 * I, 64)
+  want = reference.fused_moe_float(x, ids, weights, w13, w2)
+  assert rel_err(got, want) < 0.25
+
+
+def test_packing_round_trip():
+  p = make_problem(5, T=1, E=3, K=1, H=128, I=64, group_size=32, dtype=jnp.float32, bias=True)
+  q, scale, row_corr, bias = w4a8_cpu.unpack_w4a8_gemm(p["w13_packed"], 128, 128, 32)
+  np.testing.assert_array_equal(q, np.asarray(p["w13_q"]))
+  np.testing.assert_array_equal(scale, np.asarray(p["w13_scale"], np.float32))
+  np.testing.assert_array_equal(bias, np.asarray(p["w13_bias"]))
+  group_sums = np.asarray(p["w13_q"], np.int64).reshape(3, 128, 4, 32).sum(-1)
+  np.testing.assert_allclose(row_corr, (scale * group_sums).sum(-1), rtol=1e-6, atol=1e-6)
+  assert p["w13_packed"].shape == (3, w4a8_cpu.w4a8_packed_bytes(128, 128, 32))
+  channel = make_problem(5, T=1, E=2, K=1, H=128, I=64, group_size=-1, dtype=jnp.float32,
+                         bias=False)
+  q, scale, _, bias = w4a8_cpu.unpack_w4a8_gemm(channel["w2_packed"], 128, 64, -1)
+  np.testing.assert_array_equal(q, np.asarray(channel["w2_q"]))
+  np.testing.assert_array_equal(scale, np.asarray(channel["w2_scale"]))
+  np.testing.assert_array_equal(bias, 0)
+
+
+def _args(p, H, I, group_size):
+  return (p["x"], p["topk_ids"], p["topk_weights"], p["w13_packed"], p["w2_packed"], H, I,
+          2 * I, group_size)
+
+
+def test_jit_vmap_and_int64_ids():
+  H, I, g = 128, 128, 32
+  batch = [make_problem(20 + b, T=5, E=4, K=2, H=H, I=I, group_size=g, dtype=jnp.bfloat16,
+                        bias=False) for b in range(3)]
+  shared = batch[0]
+  xs = jnp.stack([b["x"] for b in batch])
+  ids = jnp.stack([b["topk_ids"] for b in batch])
+  ws = jnp.stack([b["topk_weights"] for b in batch])
+  op = lambda x, i, w: w4a8_cpu.dynamic_4bit_int_moe(
+      x, i, w, shared["w13_packed"], shared["w2_packed"], H, I, 2 * I, g)
+  got = jax.jit(jax.vmap(op))(xs, ids, ws)
+  for b in range(3):
+    want = op(xs[b], ids[b], ws[b])
+    np.testing.assert_array_equal(np.asarray(got[b], np.float32), np.asarray(want, np.float32))
+  # Weights batched too: a sequential map over the batch.
+  w13s = jnp.stack([b["w13_packed"] for b in batch])
+  w2s = jnp.stack([b["w2_packed"] for b in batch])
+  per_expert_set = jax.vmap(lambda x, i, w, a, c: w4a8_cpu.dynamic_4bit_int_moe(
+      x, i, w, a, c, H, I, 2 * I, g))(xs, ids, ws, w13s, w2s)
+  for b in range(3):
+    want = w4a8_cpu.dynamic_4bit_int_moe(*_args(batch[b], H, I, g))
+    np.testing.assert_array_equal(np.asarray(per_expert_set[b], np.float32),
+                                  np.asarray(want, np.float32))
+  # int64 ids (numpy) are accepted and cast.
+  np_ids = np.asarray(shared["topk_ids"]).astype(np.int64)
+  out = w4a8_cpu.dynamic_4bit_int_moe(shared["x"], np_ids, shared["topk_weights"],
+                                      shared["w13_packed"], shared["w2_packed"], H, I, 2 * I, g)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(op(shared["x"], shared["topk_ids"],
+                                              shared["topk_weights"]), np.float32))
+
+
+def test_zero_tokens():
+  p = make_problem(2, T=4, E=4, K=2, H=128, I=64, group_size=64, dtype=jnp.float32, bias=False)
+  out = w4a8_cpu.dynamic_4bit_int_moe(p["x"][:0], p["topk_ids"][:0], p["topk_weights"][:0],
+                                      p["w13_packed"], p["w2_packed"], 128, 64, 128, 64)
+  assert out.shape == (0, 128)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.fixture(scope="module")
+def small():
+  return make_problem(9, T=4, E=4, K=2, H=128, I=64, group_size=32, dtype=jnp.float32, bias=False)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda a: {**a, "x": a["x"][None]}, ValueError, "x must be 2-D"),
+        (lambda a: {**a, "x": a["x"].astype(jnp.int32)}, TypeError, "x must be float32"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"][:, :1]}, ValueError, "topk_weights shape"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"][:2]}, ValueError, "topk_ids must be"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"].astype(jnp.float32)}, TypeError, "int32"),
+        (lambda a: {**a, "I2": 100}, ValueError, "I2=100 must equal 2"),
+        (lambda a: {**a, "H": 256}, ValueError, "hidden size"),
+        (lambda a: {**a, "group_size": 48}, ValueError, "group_size=48 is not supported"),
+        (lambda a: {**a, "group_size": 128}, ValueError, "does not divide"),
+        (lambda a: {**a, "group_size": 64}, ValueError, "bytes per expert"),
+        (lambda a: {**a, "activation_kind": 3}, ValueError, "activation_kind=3"),
+        (lambda a: {**a, "w2_packed": a["w2_packed"][:3]}, ValueError, "experts"),
+        (lambda a: {**a, "w13_packed": a["w13_packed"].astype(jnp.int8)}, ValueError, "uint8"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"].at[1, 1].set(4)}, ValueError,
+         "expert id out of range"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"].at[0, 0].set(-1)}, ValueError,
+         "expert id out of range"),
+    ],
+)
+def test_bad_input_raises(small, change, error, match):
+  args = dict(x=small["x"], topk_ids=small["topk_ids"], topk_weights=small["topk_weights"],
+              w13_packed=small["w13_packed"], w2_packed=small["w2_packed"], H=128, I=64, I2=128,
+              group_size=32, activation_kind=0)
+  with pytest.raises(error, match=match):
+    w4a8_cpu.dynamic_4bit_int_moe(**change(args))
+
+
+def test_out_of_range_id_under_jit_is_an_error(small):
+  """Ids are data: under jit only the handler can see them."""
+  f = jax.jit(w4a8_cpu.dynamic_4bit_int_moe, static_argnums=(5, 6, 7, 8))
+  bad = small["topk_ids"].at[2, 0].set(17)
+  with pytest.raises(Exception, match=r"expert id out of range: topk_ids\[2, 0\] = 17"):
+    jax.block_until_ready(f(small["x"], bad, small["topk_weights"], small["w13_packed"],
+                            small["w2_packed"], 128, 64, 128, 32))
+
+
+@pytest.mark.parametrize(
+    "attrs,match",
+    [
+        (dict(group_size=48), "group_size 48 is not one of"),
+        (dict(group_size=64), "bytes per expert"),
+        (dict(I=40), "intermediate size 40 is not a multiple of 16"),
+        (dict(H=256), "x has hidden size 128"),
+        (dict(activation_kind=5), "activation_kind 5"),
+    ],
+)
+def test_handler_validates_attributes(small, attrs, match):
+  """The FFI handler checks on its own (Python validation bypassed)."""
+  kwargs = dict(H=128, I=64, group_size=32, apply_router_weight_on_input=False,
+                activation_kind=0)
+  kwargs.update(attrs)
+  with pytest.raises(Exception, match=match):
+    jax.block_until_ready(w4a8_cpu._ffi_moe(small["x"], small["topk_ids"], small["topk_weights"],
+                                            small["w13_packed"], small["w2_packed"], **kwargs))
+
+
+def test_unknown_isa_is_an_error(small, monkeypatch):
+  monkeypatch.setenv("JAX_MOEQ_CPU_ISA", "sse9")
+  with pytest.raises(Exception, match="JAX_MOEQ_CPU_ISA='sse9'"):
+    jax.block_until_ready(w4a8_cpu.dynamic_4bit_int_moe(
+        small["x"], small["topk_ids"], small["topk_weights"], small["w13_packed"],
+        small["w2_packed"], 128, 64, 128, 32))
+
+
+def test_packer_rejects_bad_weights():
+  q13 = jnp.zeros((2, 64, 128), jnp.int8) + 1
+  q2 = jnp.zeros((2, 128, 32), jnp.int8) + 1
+  s13 = jnp.ones((2, 64, 4), jnp.bfloat16)
+  s2 = jnp.ones((2, 128, 1), jnp.bfloat16)
+  with pytest.raises(ValueError, match="w2_scale must have shape"):
+    w4a8_cpu.convert_to_w4a8_int8_moe_format(q13, q2, s13, jnp.ones((2, 128, 2)), 32)
+  with pytest.raises(ValueError, match="outside the int4 range"):
+    w4a8_cpu.convert_to_w4a8_int8_moe_format(q13 + 9, q2, s13, jnp.ones((2, 128, 1)), 32)
+  with pytest.raises(TypeError, match="int8"):
+    w4a8_cpu.convert_to_w4a8_int8_moe_format(q13.astype(jnp.int32), q2, s13, s2, 32)
+  with pytest.raises(ValueError, match="group_size=16"):
+    w4a8_cpu.convert_to_w4a8_int8_moe_format(q13, q2, s13, s2, 16)
