@@ -1,0 +1,283 @@
+"""Expert- and tensor-parallel MoE over a `jax.sharding.Mesh`, with the kernels running per shard.
+
+Expert parallelism (EP, `expert_axis`): the E experts are split into n_ep contiguous blocks, one per
+shard. Every shard sees all tokens (replicated), remaps the global expert ids to its local ids, and
+sends pairs routed elsewhere to a *null expert*: an extra local expert whose int4 weights, scales'
+row corrections and biases are all zero, so its output is exactly 0 for any input and any router
+weight (also with `apply_router_weight_on_input`). Partial outputs are summed with `psum`.
+The null expert is stored once per shard at packing time (no per-call weight copies).
+
+Tensor parallelism (TP, `tensor_axis`): the intermediate dimension I is split into n_tp slices.
+Shard j holds gate rows [jI/n, (j+1)I/n) *and* the same up rows of w13 (the gated activation pairs
+gate row i with up row i, so both halves must be sliced together), and the same columns of w2.
+GEMM2 then yields a partial [T, H] per shard; `psum` adds them. w2's bias is added by shard 0 only.
+
+Both can be combined (a 2-D mesh). Partial outputs are summed in float32 and rounded once to the
+activation dtype.
+
+Rounding: EP keeps the single-device arithmetic of every (token, expert) pair; only the order of
+the top-k sum changes (f32 psum of per-shard partial sums), so results match to float32
+reassociation (and to the bf16 rounding of partial sums in bf16). TP changes one rounding point of
+the W4A8 scheme: each shard quantizes its slice of the GEMM2 input (the activation row) to int8
+with its own dynamic scale (a finer grid than one scale for the whole row), so a TP result equals
+the same-scheme computation on the sliced weights, and differs from the unsharded result by int8
+activation-rounding noise (see tests/test_sharding.py for the bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_moeq.ops import w4a8_cpu
+
+Array = jax.Array
+
+_shard_map = getattr(jax, "shard_map", None)
+if _shard_map is None:  # older jax
+  from jax.experimental.shard_map import shard_map as _shard_map  # type: ignore
+
+
+def make_mesh(expert_parallel: int = 1, tensor_parallel: int = 1, *,
+              expert_axis: str = "ep", tensor_axis: str = "tp",
+              devices: list | None = None) -> Mesh:
+  """A (tensor_axis, expert_axis) mesh over the first tp*ep devices."""
+  if expert_parallel < 1 or tensor_parallel < 1:
+    raise ValueError(f"expert_parallel={expert_parallel} and tensor_parallel={tensor_parallel} must "
+                     "be >= 1")
+  devices = list(jax.devices() if devices is None else devices)
+  n = expert_parallel * tensor_parallel
+  if n > len(devices):
+    raise ValueError(f"a {tensor_parallel}x{expert_parallel} mesh needs {n} devices, have "
+                     f"{len(devices)}")
+  grid = np.array(devices[:n], dtype=object).reshape(tensor_parallel, expert_parallel)
+  return Mesh(grid, (tensor_axis, expert_axis))
+
+
+def _axis_size(mesh: Mesh, axis: str | None) -> int:
+  if axis is None:
+    return 1
+  if axis not in mesh.shape:
+    raise ValueError(f"axis {axis!r} is not in the mesh axes {tuple(mesh.shape)}")
+  return mesh.shape[axis]
+
+
+def _check_split(mesh: Mesh, expert_axis, tensor_axis, num_experts: int, intermediate: int,
+                 group_size: int | None, multiple: int) -> tuple[int, int]:
+  n_ep, n_tp = _axis_size(mesh, expert_axis), _axis_size(mesh, tensor_axis)
+  if expert_axis is not None and expert_axis == tensor_axis:
+    raise ValueError(f"expert_axis and tensor_axis must differ, both are {expert_axis!r}")
+  if num_experts % n_ep:
+    raise ValueError(f"num_experts={num_experts} is not divisible by the expert axis size {n_ep}")
+  if intermediate % n_tp:
+    raise ValueError(f"intermediate_size={intermediate} is not divisible by the tensor axis size "
+                     f"{n_tp}")
+  local_i = intermediate // n_tp
+  if local_i % multiple:
+    raise ValueError(f"the per-shard intermediate size {local_i} must be a multiple of {multiple}")
+  if group_size not in (None, -1) and local_i % group_size:
+    raise ValueError(f"group_size={group_size} does not divide the per-shard intermediate size "
+                     f"{local_i}")
+  return n_ep, n_tp
+
+
+def _tp_slices(w13, w2, w13_bias, w2_bias, n_tp: int):
+  """Per-TP-shard (w13 [E, 2I/n, H], w2 [E, H, I/n], biases) with gate and up sliced together."""
+  i = w13.shape[1] // 2
+  li = i // n_tp
+  out = []
+  for j in range(n_tp):
+    rows = np.concatenate([np.arange(j * li, (j + 1) * li), i + np.arange(j * li, (j + 1) * li)])
+    b13 = None if w13_bias is None else w13_bias[:, rows]
+    b2 = None
+    if w2_bias is not None:
+      b2 = w2_bias if j == 0 else jnp.zeros_like(w2_bias)
+    out.append((w13[:, rows], w2[:, :, j * li:(j + 1) * li], b13, b2, rows))
+  return out
+
+
+def _append_null_experts(x: Array, n_ep: int, null: Array) -> Array:
+  """[E, ...] -> [n_ep * (E/n_ep + 1), ...]: each block of E/n_ep experts gets `null` appended."""
+  blocks = x.reshape(n_ep, x.shape[0] // n_ep, *x.shape[1:])
+  nulls = jnp.broadcast_to(null.astype(x.dtype), (n_ep, 1, *x.shape[1:]))
+  return jnp.concatenate([blocks, nulls], axis=1).reshape(-1, *x.shape[1:])
+
+
+# ------------------------------------------------------------------ W4A8 (CPU kernel)
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["w13_packed", "w2_packed"],
+                   meta_fields=["num_experts", "hidden_size", "intermediate_size", "group_size",
+                                "mesh", "expert_axis", "tensor_axis"])
+@dataclasses.dataclass(frozen=True)
+class ShardedW4A8Weights:
+  """W4A8 packed weights laid out for a mesh.
+
+  w13_packed: [n_tp, n_ep * (E/n_ep + 1), B13_local] uint8, sharded P(tensor_axis, expert_axis);
+  the last expert of every EP block is the null expert. w2_packed likewise.
+  """
+
+  w13_packed: Array
+  w2_packed: Array
+  num_experts: int
+  hidden_size: int
+  intermediate_size: int  # global I
+  group_size: int
+  mesh: Mesh
+  expert_axis: str | None
+  tensor_axis: str | None
+
+  @property
+  def spec(self) -> P:
+    return P(self.tensor_axis, self.expert_axis)
+
+
+def shard_w4a8_weights(w13_weight: Array, w2_weight: Array, w13_weight_scale: Array,
+                       w2_weight_scale: Array, group_size: int, *, mesh: Mesh,
+                       expert_axis: str | None = "ep", tensor_axis: str | None = None,
+                       w13_bias: Array | None = None,
+                       w2_bias: Array | None = None) -> ShardedW4A8Weights:
+  """Packs int4 MoE weights (`convert_to_w4a8_int8_moe_format`'s inputs) for sharded execution.
+
+  Arguments as `jax_moeq.convert_to_w4a8_int8_moe_format`; `expert_axis` / `tensor_axis` name mesh
+  axes (None: not split that way). The packed shards are placed on the mesh's devices.
+  """
+  e, i2, h = w13_weight.shape
+  i = i2 // 2
+  n_ep, n_tp = _check_split(mesh, expert_axis, tensor_axis, e, i, group_size,
+                            w4a8_cpu.TILE_ROWS)
+  g13s, g2s = [], []
+  li = i // n_tp
+  slices = _tp_slices(w13_weight, w2_weight, w13_bias, w2_bias, n_tp)
+  for j, (w13, w2, b13, b2, rows) in enumerate(slices):
+    s13 = w13_weight_scale[:, rows]
+    if group_size == -1:
+      s2 = w2_weight_scale  # one scale per output row: the same for every input slice
+    else:
+      s2 = w2_weight_scale[:, :, j * li // group_size:(j + 1) * li // group_size]
+    p13, p2, *_ = w4a8_cpu.convert_to_w4a8_int8_moe_format(w13, w2, s13, s2, group_size, b13, b2)
+    if expert_axis is not None:
+      # The null expert: q = 0 with unit scales and no bias packs to a GEMM that returns 0.
+      z13, z2, *_ = w4a8_cpu.convert_to_w4a8_int8_moe_format(
+          jnp.zeros((1, 2 * li, h), jnp.int8), jnp.zeros((1, h, li), jnp.int8),
+          jnp.ones((1,) + s13.shape[1:], s13.dtype), jnp.ones((1,) + s2.shape[1:], s2.dtype),
+          group_size)
+      p13, p2 = _append_null_experts(p13, n_ep, z13[0]), _append_null_experts(p2, n_ep, z2[0])
+    g13s.append(p13)
+    g2s.append(p2)
+  w13_packed, w2_packed = jnp.stack(g13s), jnp.stack(g2s)
+  sharding = NamedSharding(mesh, P(tensor_axis, expert_axis))
+  return ShardedW4A8Weights(
+      jax.device_put(w13_packed, sharding), jax.device_put(w2_packed, sharding), e, h, i,
+      group_size, mesh, expert_axis, tensor_axis)
+
+
+def _local_ids(topk_ids: Array, topk_weights: Array, local_experts: int, axis: str | None):
+  """Global ids -> this shard's ids; pairs routed to other shards go to the null expert."""
+  if axis is None:
+    return topk_ids, topk_weights
+  first = jax.lax.axis_index(axis) * local_experts
+  local = topk_ids - first
+  here = (local >= 0) & (local < local_experts)
+  return jnp.where(here, local, local_experts).astype(jnp.int32), topk_weights
+
+
+def _combine(y: Array, out_dtype, axes: tuple[str, ...]) -> Array:
+  if not axes:
+    return y
+  return jax.lax.psum(y.astype(jnp.float32), axes).astype(out_dtype)
+
+
+def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
+                     weights: ShardedW4A8Weights, *, apply_router_weight_on_input: bool = False,
+                     activation_kind: int = 0) -> Array:
+  """`dynamic_4bit_int_moe` over the mesh of `weights` (EP and/or TP). x, ids: [T, ...] replicated."""
+  mesh = weights.mesh
+  n_ep = _axis_size(mesh, weights.expert_axis)
+  n_tp = _axis_size(mesh, weights.tensor_axis)
+  local_e = weights.num_experts // n_ep
+  local_i = weights.intermediate_size // n_tp
+  h, g = weights.hidden_size, weights.group_size
+  axes = tuple(a for a in (weights.tensor_axis, weights.expert_axis) if a is not None)
+  if x.ndim != 2 or x.shape[1] != h:
+    raise ValueError(f"x must be [tokens, {h}], got shape {x.shape}")
+
+  def body(x, ids, w, w13, w2):
+    ids, w = _local_ids(ids.astype(jnp.int32), w, local_e, weights.expert_axis)
+    y = w4a8_cpu.dynamic_4bit_int_moe(
+        x, ids, w, w13[0], w2[0], h, local_i, 2 * local_i, g,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        activation_kind=activation_kind)
+    return _combine(y, x.dtype, axes)
+
+  fn = _shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), weights.spec, weights.spec),
+                  out_specs=P())
+  return fn(x, topk_ids, topk_weights.astype(jnp.float32), weights.w13_packed, weights.w2_packed)
+
+
+# ------------------------------------------------------------------ generic (float / reference)
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["arrays"],
+                   meta_fields=["names", "num_experts", "intermediate_size", "mesh",
+                                "expert_axis", "tensor_axis"])
+@dataclasses.dataclass(frozen=True)
+class ShardedExpertArrays:
+  """Per-expert arrays (w13-like [E, 2I, ...], w2-like [E, H, I...], ...) laid out for a mesh as
+  [n_tp, n_ep * (E/n_ep + 1), ...], the last expert of each EP block being zeros (null expert)."""
+
+  arrays: tuple[Array, ...]
+  names: tuple[str, ...]
+  num_experts: int
+  intermediate_size: int
+  mesh: Mesh
+  expert_axis: str | None
+  tensor_axis: str | None
+
+
+def shard_float_weights(w13: Array, w2: Array, *, mesh: Mesh, expert_axis: str | None = "ep",
+                        tensor_axis: str | None = None, w13_bias: Array | None = None,
+                        w2_bias: Array | None = None) -> ShardedExpertArrays:
+  """Float expert weights (w13 [E, 2I, H], w2 [E, H, I]) laid out for `float_moe_sharded`."""
+  e, i2, h = w13.shape
+  i = i2 // 2
+  n_ep, n_tp = _check_split(mesh, expert_axis, tensor_axis, e, i, None, 1)
+  per_name: dict[str, list] = {}
+  for a13, a2, b13, b2, _ in _tp_slices(w13, w2, w13_bias, w2_bias, n_tp):
+    for name, a in (("w13", a13), ("w2", a2), ("w13_bias", b13), ("w2_bias", b2)):
+      if a is None:
+        continue
+      if expert_axis is not None:
+        a = _append_null_experts(a, n_ep, jnp.zeros(a.shape[1:], a.dtype))
+      per_name.setdefault(name, []).append(a)
+  sharding = NamedSharding(mesh, P(tensor_axis, expert_axis))
+  names = tuple(per_name)
+  arrays = tuple(jax.device_put(jnp.stack(per_name[n]), sharding) for n in names)
+  return ShardedExpertArrays(arrays, names, e, i, mesh, expert_axis, tensor_axis)
+
+
+def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
+                    topk_weights: Array, weights: ShardedExpertArrays) -> Array:
+  """Runs `expert_fn(x, topk_ids, topk_weights, **local_arrays) -> [T, H]` per shard and sums.
+
+  `expert_fn` sees local expert ids in [0, E/n_ep] (the last is the null expert, all zeros) and
+  the local TP slice of every array; it must return the shard's [T, H] contribution.
+  """
+  mesh = weights.mesh
+  n_ep = _axis_size(mesh, weights.expert_axis)
+  local_e = weights.num_experts // n_ep
+  axes = tuple(a for a in (weights.tensor_axis, weights.expert_axis) if a is not None)
+  spec = P(weights.tensor_axis, weights.expert_axis)
+
+  def body(x, ids, w, *arrays):
+    ids, w = _local_ids(ids.astype(jnp.int32), w, local_e, weights.expert_axis)
+    local = {n: a[0] for n, a in zip(weights.names, arrays)}
+    return _combine(expert_fn(x, ids, w, **local), x.dtype, axes)
+
+  fn = _shard_map(body, mesh=mesh, in_specs=(P(), P(), P()) + (spec,) * len(weights.arrays),
+                  out_specs=P())
+  return fn(x, topk_ids, topk_weights.astype(jnp.float32), *weights.arrays)
