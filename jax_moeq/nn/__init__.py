@@ -1,0 +1,5 @@
+"""Flax MoE blocks: `MoE` (float) and the drop-in `QuantizedMoE` (NNX); linen wrappers in
+`jax_moeq.nn.linen`; checkpoint bridges `moe_from_checkpoint_layer` / `layer_from_module`."""
+
+from jax_moeq.nn.moe import MoE, MoESpec, QuantizedMoE, QuantizedWeight
+from jax_moeq.nn.convert import layer_from_module, moe_from_checkpoint_layer

@@ -1,0 +1,109 @@
+"""Bridges between checkpoint layers (`jax_moeq.loaders.MoELayerTensors`) and the Flax blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_moeq.nn import _backends
+from jax_moeq.nn.moe import MoE, MoESpec, QuantizedMoE
+
+_ROUTING_KEYS = ("activation", "renormalize", "scoring_func", "use_grouped_topk",
+                 "num_expert_group", "topk_group", "routed_scaling_factor",
+                 "apply_router_weight_on_input")
+
+
+def _routing_from(model_config, overrides: dict[str, Any]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  if model_config is not None:
+    out.update(activation=model_config.activation, renormalize=model_config.renormalize,
+               scoring_func=model_config.scoring_func,
+               routed_scaling_factor=model_config.routed_scaling_factor)
+    if model_config.num_expert_group is not None:
+      out.update(use_grouped_topk=True, num_expert_group=model_config.num_expert_group,
+                 topk_group=model_config.topk_group)
+  unknown = set(overrides) - set(_ROUTING_KEYS) - {"dtype", "param_dtype"}
+  if unknown:
+    raise TypeError(f"unexpected arguments {sorted(unknown)}")
+  out.update(overrides)
+  return out
+
+
+def moe_from_checkpoint_layer(layer, top_k: int, *, model_config=None, scheme: str | None = None,
+                              moe_backend: str = "auto",
+                              allow_activation_quantization: bool = False,
+                              rngs: nnx.Rngs | None = None, **kwargs) -> MoE | QuantizedMoE:
+  """A block holding a loaded layer's weights: `QuantizedMoE` for int4 layers, `MoE` for float.
+
+  Args:
+    layer: a `MoELayerTensors` from `jax_moeq.loaders.load_moe_checkpoint`.
+    top_k: experts per token (`model_config.top_k` of the checkpoint).
+    model_config: the checkpoint's `MoEModelConfig`, for routing options (overridable by kwargs).
+    scheme: for int4 layers, the block's scheme (default: the checkpoint's,
+      `MoECheckpoint.quant_config.scheme`, else "wna16").
+    kwargs: routing / dtype overrides as in `MoE` (activation, renormalize, dtype, ...).
+  """
+  opts = _routing_from(model_config, kwargs)
+  e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+  use_bias = layer.w13_bias is not None
+  has_router = layer.router_weight is not None
+  corr = layer.e_score_correction_bias
+  if corr is not None:
+    opts["e_score_correction_bias"] = True
+  if not layer.quantized:
+    moe = MoE(e, top_k, h, i, use_bias=use_bias, router=has_router,
+              rngs=rngs if rngs is not None else nnx.Rngs(0), **opts)
+    dt = moe.param_dtype
+    moe.w13[...] = jnp.asarray(layer.w13, dt)
+    moe.w2[...] = jnp.asarray(layer.w2, dt)
+    if use_bias:
+      moe.w13_bias[...] = jnp.asarray(layer.w13_bias, dt)
+      moe.w2_bias[...] = jnp.asarray(layer.w2_bias, dt)
+    if has_router:
+      moe.router.kernel[...] = jnp.asarray(layer.router_weight, dt).T
+    if corr is not None:
+      moe.e_score_correction_bias[...] = jnp.asarray(corr, jnp.float32)
+    return moe
+  weights = _backends.int4_experts_from_layer(layer)
+  scheme = scheme or "wna16"
+  return QuantizedMoE(e, top_k, h, i, use_bias=use_bias, router=has_router, scheme=scheme,
+                      group_size=layer.group_size, moe_backend=moe_backend,
+                      allow_activation_quantization=allow_activation_quantization,
+                      weights=weights, router_weight=layer.router_weight,
+                      correction_bias=corr, rngs=rngs, **opts)
+
+
+def layer_from_module(module: MoE | QuantizedMoE):
+  """The block's weights as a host-side `MoELayerTensors` (for `save_moe_checkpoint`)."""
+  from jax_moeq.loaders import MoELayerTensors
+  spec: MoESpec = module.spec
+  router = None if module.router is None else np.asarray(module.router.kernel[...]).T
+  corr = (None if module.e_score_correction_bias is None
+          else np.asarray(module.e_score_correction_bias[...]))
+  if isinstance(module, MoE):
+    arr = lambda v: None if v is None else np.asarray(v[...])
+    return MoELayerTensors(w13=arr(module.w13), w2=arr(module.w2), w13_bias=arr(module.w13_bias),
+                           w2_bias=arr(module.w2_bias), router_weight=router,
+                           e_score_correction_bias=corr)
+  if not isinstance(module, QuantizedMoE):
+    raise TypeError(f"expected MoE or QuantizedMoE, got {type(module).__name__}")
+  w = module.canonical_int4()
+  host = lambda a: None if a is None else np.asarray(a)
+  g13 = None
+  if w.w13_perm is not None:
+    # Back to natural input order: position perm[j] holds group j // g.
+    perm = np.asarray(w.w13_perm)
+    h = spec.hidden_size
+    g = h if w.group_size == -1 else w.group_size
+    inv = np.argsort(perm, axis=-1)
+    q13 = np.take_along_axis(np.asarray(w.w13), inv[:, None, :], axis=-1)
+    g13 = (inv // g).astype(np.int32)
+  else:
+    q13 = np.asarray(w.w13)
+  return MoELayerTensors(
+      w13=q13, w2=np.asarray(w.w2), w13_scale=host(w.w13_scale), w2_scale=host(w.w2_scale),
+      group_size=w.group_size, w13_g_idx=g13, w13_bias=host(w.w13_bias),
+      w2_bias=host(w.w2_bias), router_weight=router, e_score_correction_bias=corr)

@@ -1,0 +1,325 @@
+"""Flax NNX Mixture-of-Experts blocks: float `MoE` and the drop-in `QuantizedMoE`.
+
+Both take the same constructor arguments and are called as `(x[..., H], router_logits=None) ->
+y[..., H]`: leading dims are flattened to tokens and restored; the router is an `nnx.Linear(H, E)`
+(`router=True`) or logits are passed in. Weights follow SPEC §1: `w13 [E, 2I, H]` (gate rows, then
+up rows), `w2 [E, H, I]`, optional biases `[E, 2I]`, `[E, H]`.
+
+`QuantizedMoE` holds int4 weights as `QuantizedWeight` variables (an `nnx.Variable`, not an
+`nnx.Param`, so optimizers that train `nnx.Param` leave them alone) already in the format of the
+backend chosen at construction (the W4A8 kernel's packed bytes on CPU, or the reference's int4 +
+scales), so nothing is repacked per call and `jax.jit`, `nnx.split` / `nnx.state` and checkpointing
+see plain arrays. The backend comes from the scheme's oracle (SPEC §6); the choice and the reason
+are logged on the "jax_moeq" logger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_moeq.nn import _backends
+
+logger = logging.getLogger("jax_moeq")
+
+Array = jax.Array
+ACTIVATIONS = ("silu", "swigluoai")
+SCORING_FUNCS = ("softmax", "sigmoid")
+SCHEMES = ("w4a8_int8", "wna16", "mxint4")
+
+
+class QuantizedWeight(nnx.Variable):
+  """Quantized / pre-packed expert weights: module state that is not a trainable parameter."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+  """Static description of an MoE block (shared by `MoE` and `QuantizedMoE`)."""
+
+  num_experts: int
+  top_k: int
+  hidden_size: int
+  intermediate_size: int
+  activation: str = "silu"
+  renormalize: bool = True
+  scoring_func: str = "softmax"
+  use_grouped_topk: bool = False
+  num_expert_group: int | None = None
+  topk_group: int | None = None
+  e_score_correction_bias: bool = False
+  routed_scaling_factor: float = 1.0
+  apply_router_weight_on_input: bool = False
+  use_bias: bool = False
+  router: bool = True
+
+  def __post_init__(self):
+    for name in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+      v = getattr(self, name)
+      if not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if self.top_k > self.num_experts:
+      raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
+    if self.scoring_func not in SCORING_FUNCS:
+      raise ValueError(f"scoring_func={self.scoring_func!r} is not one of {SCORING_FUNCS}")
+    if self.use_grouped_topk:
+      if self.num_expert_group is None or self.topk_group is None:
+        raise ValueError("use_grouped_topk=True needs num_expert_group and topk_group")
+      if self.num_experts % self.num_expert_group:
+        raise ValueError(f"num_expert_group={self.num_expert_group} does not divide num_experts="
+                         f"{self.num_experts}")
+    elif self.scoring_func != "softmax" or self.e_score_correction_bias:
+      raise ValueError("scoring_func='sigmoid' and e_score_correction_bias need use_grouped_topk="
+                       "True (the DeepSeek-V3 routing path)")
+
+
+def _init_expert_weights(rngs: nnx.Rngs, spec: MoESpec, param_dtype) -> dict[str, Array]:
+  """Fan-in scaled normal init of w13 [E, 2I, H] and w2 [E, H, I] (+ small random biases)."""
+  init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-1,
+                                           out_axis=-2, batch_axis=(0,))
+  e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+  out = {"w13": init(rngs.params(), (e, 2 * i, h), param_dtype),
+         "w2": init(rngs.params(), (e, h, i), param_dtype)}
+  if spec.use_bias:
+    out["w13_bias"] = jnp.zeros((e, 2 * i), param_dtype)
+    out["w2_bias"] = jnp.zeros((e, h), param_dtype)
+  return out
+
+
+class _MoEBase(nnx.Module):
+  """Router, routing and token flattening shared by both blocks."""
+
+  spec: MoESpec
+  dtype: Any
+
+  def _init_router(self, spec: MoESpec, dtype, param_dtype, rngs: nnx.Rngs | None,
+                   router_weight: Array | None, correction_bias: Array | None):
+    if spec.router:
+      if router_weight is None and rngs is None:
+        raise ValueError("rngs is required to initialize the router")
+      self.router = nnx.Linear(spec.hidden_size, spec.num_experts, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs if rngs is not None
+                               else nnx.Rngs(0))
+      if router_weight is not None:
+        # nnx.Linear's kernel is [in, out]; checkpoints store the gate as [E, H].
+        self.router.kernel[...] = jnp.asarray(router_weight, param_dtype).T
+    else:
+      self.router = None
+    if spec.e_score_correction_bias:
+      bias = (jnp.zeros((spec.num_experts,), jnp.float32) if correction_bias is None
+              else jnp.asarray(correction_bias, jnp.float32))
+      self.e_score_correction_bias = nnx.Param(bias)
+    else:
+      self.e_score_correction_bias = None
+
+  def _flatten(self, x: Array, router_logits: Array | None) -> tuple[Array, Array, tuple]:
+    spec = self.spec
+    if x.shape[-1] != spec.hidden_size:
+      raise ValueError(f"x must end in hidden_size={spec.hidden_size}, got shape {x.shape}")
+    lead = x.shape[:-1]
+    tokens = x.reshape(-1, spec.hidden_size).astype(self.dtype)
+    if router_logits is None:
+      if self.router is None:
+        raise ValueError("this block has no router (router=False): pass router_logits")
+      logits = self.router(tokens)
+    else:
+      if router_logits.shape[:-1] != lead or router_logits.shape[-1] != spec.num_experts:
+        raise ValueError(f"router_logits must have shape {lead + (spec.num_experts,)}, got "
+                         f"{router_logits.shape}")
+      logits = router_logits.reshape(-1, spec.num_experts)
+    return tokens, logits, lead
+
+  def route(self, logits: Array) -> tuple[Array, Array]:
+    """(topk_weights f32 [T, K], topk_ids int32 [T, K]) for router logits [T, E]."""
+    spec = self.spec
+    bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+    return _backends.select_experts(
+        logits, spec.top_k, renormalize=spec.renormalize, scoring_func=spec.scoring_func,
+        use_grouped_topk=spec.use_grouped_topk, num_expert_group=spec.num_expert_group,
+        topk_group=spec.topk_group, e_score_correction_bias=bias,
+        routed_scaling_factor=spec.routed_scaling_factor)
+
+
+def _make_spec(num_experts, top_k, hidden_size, intermediate_size, **kw) -> MoESpec:
+  return MoESpec(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+                 intermediate_size=intermediate_size, **kw)
+
+
+class MoE(_MoEBase):
+  """Float (bf16 / f32) MoE block: the block `QuantizedMoE` replaces.
+
+  Args:
+    num_experts, top_k, hidden_size, intermediate_size: E, K, H, I.
+    activation: "silu" (silu(gate) * up) or "swigluoai" (GPT-OSS).
+    renormalize, scoring_func, use_grouped_topk, num_expert_group, topk_group,
+      e_score_correction_bias (bool: hold a learnable [E] bias), routed_scaling_factor: routing,
+      as `jax_moeq.select_experts`.
+    apply_router_weight_on_input: scale the expert input instead of its output by the router weight.
+    use_bias: expert biases `w13_bias [E, 2I]`, `w2_bias [E, H]`.
+    router: hold an `nnx.Linear(H, E)` router; False: pass `router_logits` to the call.
+    dtype: computation dtype; param_dtype: parameter dtype.
+  """
+
+  def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+               activation: str = "silu", renormalize: bool = True, scoring_func: str = "softmax",
+               use_grouped_topk: bool = False, num_expert_group: int | None = None,
+               topk_group: int | None = None, e_score_correction_bias: bool = False,
+               routed_scaling_factor: float = 1.0, apply_router_weight_on_input: bool = False,
+               use_bias: bool = False, router: bool = True, dtype=jnp.bfloat16,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.spec = _make_spec(
+        num_experts, top_k, hidden_size, intermediate_size, activation=activation,
+        renormalize=renormalize, scoring_func=scoring_func, use_grouped_topk=use_grouped_topk,
+        num_expert_group=num_expert_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+        apply_router_weight_on_input=apply_router_weight_on_input, use_bias=use_bias,
+        router=router)
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self._init_router(self.spec, dtype, param_dtype, rngs, None, None)
+    weights = _init_expert_weights(rngs, self.spec, param_dtype)
+    self.w13 = nnx.Param(weights["w13"])
+    self.w2 = nnx.Param(weights["w2"])
+    self.w13_bias = nnx.Param(weights["w13_bias"]) if use_bias else None
+    self.w2_bias = nnx.Param(weights["w2_bias"]) if use_bias else None
+
+  def __call__(self, x: Array, router_logits: Array | None = None) -> Array:
+    tokens, logits, lead = self._flatten(x, router_logits)
+    topk_weights, topk_ids = self.route(logits)
+    cast = lambda v: None if v is None else v[...].astype(self.dtype)
+    y = _backends.float_moe(
+        tokens, topk_ids, topk_weights, cast(self.w13), cast(self.w2), cast(self.w13_bias),
+        cast(self.w2_bias), activation=self.spec.activation,
+        apply_router_weight_on_input=self.spec.apply_router_weight_on_input)
+    return y.reshape(*lead, self.spec.hidden_size)
+
+
+class QuantizedMoE(_MoEBase):
+  """Int4-weight MoE block with `MoE`'s arguments and call, plus:
+
+  Args:
+    scheme: "w4a8_int8" (int4 weights, int8 dynamic activations; the CPU kernel), "wna16" (int4
+      weights, float activations; Marlin-class on GPU) or "mxint4" (int4, bf16 scales per 32).
+    group_size: 32, 64, 128, or -1 (channel-wise). mxint4 uses 32.
+    moe_backend: "auto" (ask the oracle) or an explicit backend name of the scheme.
+    allow_activation_quantization: on CPU, let "wna16"/"mxint4" weights run on the W4A8 kernel
+      (activations quantized to int8 per token); without it they run on the jnp reference.
+
+  Without `weights`, random float weights are drawn from `rngs` (like `MoE`) and quantized.
+  Prefer `QuantizedMoE.from_float(moe, ...)` or `QuantizedMoE.from_checkpoint_layer(...)`.
+  """
+
+  def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+               activation: str = "silu", renormalize: bool = True, scoring_func: str = "softmax",
+               use_grouped_topk: bool = False, num_expert_group: int | None = None,
+               topk_group: int | None = None, e_score_correction_bias: bool = False,
+               routed_scaling_factor: float = 1.0, apply_router_weight_on_input: bool = False,
+               use_bias: bool = False, router: bool = True, dtype=jnp.bfloat16,
+               param_dtype=jnp.float32, scheme: str = "w4a8_int8", group_size: int = 128,
+               moe_backend: str = "auto", allow_activation_quantization: bool = False,
+               rngs: nnx.Rngs | None = None, weights: "_backends.Int4Experts | None" = None,
+               router_weight: Array | None = None, correction_bias: Array | None = None):
+    self.spec = _make_spec(
+        num_experts, top_k, hidden_size, intermediate_size, activation=activation,
+        renormalize=renormalize, scoring_func=scoring_func, use_grouped_topk=use_grouped_topk,
+        num_expert_group=num_expert_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+        apply_router_weight_on_input=apply_router_weight_on_input, use_bias=use_bias,
+        router=router)
+    if scheme not in SCHEMES:
+      raise ValueError(f"scheme={scheme!r} is not one of {SCHEMES}")
+    if scheme == "mxint4" and group_size != 32:
+      raise ValueError(f"scheme='mxint4' uses group_size=32, got group_size={group_size}")
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.scheme = scheme
+    self.group_size = group_size
+    self.allow_activation_quantization = bool(allow_activation_quantization)
+    if weights is None:
+      if rngs is None:
+        raise ValueError("rngs is required when no weights are given")
+      f = _init_expert_weights(rngs, self.spec, param_dtype)
+      weights = _backends.quantize_experts(f["w13"], f["w2"], group_size, scheme,
+                                           f.get("w13_bias"), f.get("w2_bias"))
+    self._init_router(self.spec, dtype, param_dtype, rngs, router_weight, correction_bias)
+    self._check_weights(weights)
+    choice = _backends.choose_backend(self.spec, scheme, group_size, dtype, moe_backend,
+                                      self.allow_activation_quantization)
+    logger.info("QuantizedMoE(scheme=%s, E=%d, H=%d, I=%d, group_size=%d): backend %s (%s)",
+                scheme, num_experts, hidden_size, intermediate_size, group_size, choice.backend,
+                choice.reason)
+    self.backend = choice.backend
+    self.backend_reason = choice.reason
+    arrays = _backends.prepare(choice, weights, self.spec)
+    self.quantized_names = tuple(sorted(arrays))
+    for name in self.quantized_names:
+      setattr(self, name, QuantizedWeight(arrays[name]))
+
+  def _check_weights(self, weights: "_backends.Int4Experts") -> None:
+    e, h, i = self.spec.num_experts, self.spec.hidden_size, self.spec.intermediate_size
+    if weights.w13.shape != (e, 2 * i, h) or weights.w2.shape != (e, h, i):
+      raise ValueError(f"weights have w13 {weights.w13.shape} / w2 {weights.w2.shape}, the block "
+                       f"needs {(e, 2 * i, h)} / {(e, h, i)}")
+    if weights.group_size != self.group_size:
+      raise ValueError(f"weights were quantized with group_size={weights.group_size}, the block "
+                       f"has group_size={self.group_size}")
+    if (weights.w13_bias is not None) != self.spec.use_bias:
+      raise ValueError(f"use_bias={self.spec.use_bias} but the weights "
+                       f"{'have' if weights.w13_bias is not None else 'have no'} biases")
+
+  def __call__(self, x: Array, router_logits: Array | None = None) -> Array:
+    tokens, logits, lead = self._flatten(x, router_logits)
+    topk_weights, topk_ids = self.route(logits)
+    arrays = {k: getattr(self, k)[...] for k in self.quantized_names}
+    y = _backends.apply(self.backend, arrays, tokens, topk_ids, topk_weights, self.spec,
+                        self.scheme, self.group_size)
+    return y.reshape(*lead, self.spec.hidden_size)
+
+  def canonical_int4(self) -> "_backends.Int4Experts":
+    """The block's int4 weights in canonical form (unpacked from the backend's format)."""
+    arrays = {k: getattr(self, k)[...] for k in self.quantized_names}
+    return _backends.to_canonical(self.backend, arrays, self.spec, self.group_size)
+
+  # ---------------------------------------------------------------- constructors
+  @classmethod
+  def from_float(cls, moe: MoE, *, scheme: str = "w4a8_int8", group_size: int = 128,
+                 moe_backend: str = "auto", allow_activation_quantization: bool = False,
+                 dtype=None) -> "QuantizedMoE":
+    """Quantizes a float `MoE` block (round-to-nearest symmetric int4, SPEC §2)."""
+    if not isinstance(moe, MoE):
+      raise TypeError(f"moe must be a jax_moeq.nn.MoE, got {type(moe).__name__}")
+    if scheme == "mxint4" and group_size == 128:
+      group_size = 32  # the scheme's only group size; 128 is just the default argument
+    bias = lambda v: None if v is None else v[...]
+    weights = _backends.quantize_experts(moe.w13[...], moe.w2[...], group_size, scheme,
+                                         bias(moe.w13_bias), bias(moe.w2_bias))
+    return cls._from_parts(moe.spec, weights, scheme=scheme, group_size=group_size,
+                           moe_backend=moe_backend,
+                           allow_activation_quantization=allow_activation_quantization,
+                           dtype=moe.dtype if dtype is None else dtype,
+                           param_dtype=moe.param_dtype,
+                           router_weight=None if moe.router is None else moe.router.kernel[...].T,
+                           correction_bias=bias(moe.e_score_correction_bias))
+
+  @classmethod
+  def _from_parts(cls, spec: MoESpec, weights, *, router_weight=None, correction_bias=None,
+                  **kw) -> "QuantizedMoE":
+    return cls(spec.num_experts, spec.top_k, spec.hidden_size, spec.intermediate_size,
+               activation=spec.activation, renormalize=spec.renormalize,
+               scoring_func=spec.scoring_func, use_grouped_topk=spec.use_grouped_topk,
+               num_expert_group=spec.num_expert_group, topk_group=spec.topk_group,
+               e_score_correction_bias=spec.e_score_correction_bias,
+               routed_scaling_factor=spec.routed_scaling_factor,
+               apply_router_weight_on_input=spec.apply_router_weight_on_input,
+               use_bias=spec.use_bias, router=spec.router and router_weight is not None,
+               weights=weights, router_weight=router_weight, correction_bias=correction_bias,
+               **kw)
