@@ -36,14 +36,17 @@ FORMATS = {
 
 
 def write_example_checkpoint(path: Path, fmt: str, *, layers: int, experts: int, top_k: int,
-                             hidden: int, intermediate: int, seed: int) -> list[QuantizedMoE]:
+                             hidden: int, intermediate: int, seed: int,
+                             allow_activation_quantization: bool = False) -> list[QuantizedMoE]:
   """Writes random quantized MoE layers to `path`; returns the exported blocks."""
   writer_fmt, act_bits, scheme, group_size = FORMATS[fmt]
   rngs = nnx.Rngs(seed)
   blocks = []
   for _ in range(layers):
     moe = MoE(experts, top_k, hidden, intermediate, dtype=jnp.float32, rngs=rngs)
-    blocks.append(QuantizedMoE.from_float(moe, scheme=scheme, group_size=group_size))
+    blocks.append(QuantizedMoE.from_float(
+        moe, scheme=scheme, group_size=group_size,
+        allow_activation_quantization=allow_activation_quantization))
   config = MoEModelConfig(num_experts=experts, top_k=top_k, hidden_size=hidden,
                           intermediate_size=intermediate, num_layers=layers)
   save_moe_checkpoint(path, {i: layer_from_module(b) for i, b in enumerate(blocks)},
@@ -104,7 +107,8 @@ def main(argv=None) -> dict:
       path = args.out or Path(tmp) / "moe-checkpoint"
       exported = write_example_checkpoint(
           path, args.format, layers=args.layers, experts=args.experts, top_k=args.top_k,
-          hidden=args.hidden, intermediate=args.intermediate, seed=args.seed)
+          hidden=args.hidden, intermediate=args.intermediate, seed=args.seed,
+          allow_activation_quantization=args.allow_activation_quantization)
       size = sum(f.stat().st_size for f in Path(path).iterdir())
       print(f"wrote {args.format} checkpoint: {path} ({size / 2**20:.1f} MiB)")
     t0 = time.perf_counter()

@@ -239,6 +239,11 @@ class QuantizedMoE(_MoEBase):
       raise ValueError(f"scheme={scheme!r} is not one of {SCHEMES}")
     if scheme == "mxint4" and group_size != 32:
       raise ValueError(f"scheme='mxint4' uses group_size=32, got group_size={group_size}")
+    if group_size not in (32, 64, 128, -1):
+      raise ValueError(f"group_size={group_size} is not one of (32, 64, 128, -1)")
+    for dim, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+      if group_size != -1 and size % group_size:
+        raise ValueError(f"group_size={group_size} does not divide {dim}={size}")
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.scheme = scheme
