@@ -220,6 +220,36 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
   return fn(x, topk_ids, topk_weights.astype(jnp.float32), weights.w13_packed, weights.w2_packed)
 
 
+def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
+                        tensor_axis: str | None = None) -> Callable[..., Array]:
+  """A sharded version of a `jax_moeq.nn.QuantizedMoE` block on the CPU W4A8 kernel.
+
+  Returns `fn(x[..., H], router_logits=None) -> y[..., H]`, jittable, with the block's routing
+  and router; the experts run EP / TP over `mesh` (weights packed and placed once, here).
+  """
+  w = block.canonical_int4()
+  if w.w13_perm is not None:
+    raise ValueError("blocks with act-order on w13 cannot run on the W4A8 kernel")
+  s13, s2 = w.w13_scale, w.w2_scale
+  if w.group_size != -1:
+    s13, s2 = s13.astype(jnp.bfloat16), s2.astype(jnp.bfloat16)
+  sharded = shard_w4a8_weights(jnp.asarray(w.w13), jnp.asarray(w.w2), s13, s2, w.group_size,
+                               mesh=mesh, expert_axis=expert_axis, tensor_axis=tensor_axis,
+                               w13_bias=w.w13_bias, w2_bias=w.w2_bias)
+  spec = block.spec
+  kind = {"silu": 0, "swigluoai": 1}[spec.activation]
+
+  def fn(x: Array, router_logits: Array | None = None) -> Array:
+    tokens, logits, lead = block._flatten(x, router_logits)
+    topk_weights, topk_ids = block.route(logits)
+    y = w4a8_moe_sharded(tokens, topk_ids, topk_weights, sharded,
+                         apply_router_weight_on_input=spec.apply_router_weight_on_input,
+                         activation_kind=kind)
+    return y.reshape(*lead, spec.hidden_size)
+
+  return fn
+
+
 # ------------------------------------------------------------------ generic (float / reference)
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["arrays"],

@@ -147,6 +147,21 @@ for ep, tp in ((8, 1), (1, 8), (4, 2), (2, 2)):
 print("ok")
 """
 
+_BLOCK = """
+from flax import nnx
+from jax_moeq.nn import MoE, QuantizedMoE
+moe = MoE(8, 2, 128, 128, use_bias=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
+block = QuantizedMoE.from_float(moe, group_size=32)
+x = jax.random.normal(jax.random.key(1), (3, 5, 128), jnp.float32)
+want = block(x)
+ep = sh.shard_quantized_moe(block, sh.make_mesh(8, 1))
+got = jax.jit(ep)(x)
+assert got.shape == want.shape and rel(got, want) <= 1e-6, rel(got, want)
+both = sh.shard_quantized_moe(block, sh.make_mesh(4, 2), tensor_axis="tp")
+assert rel(jax.jit(both)(x), want) <= 3e-2
+print("ok")
+"""
+
 _ERRORS = """
 import pytest
 p = problem(5)
@@ -177,7 +192,8 @@ def _run(body: str):
       f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
 
 
-@pytest.mark.parametrize("body", [_EP_W4A8, _EP_W4A8_BF16, _TP_W4A8, _FLOAT, _ERRORS],
-                         ids=["ep_w4a8_f32", "ep_w4a8_bf16", "tp_w4a8", "float_ep_tp", "errors"])
+@pytest.mark.parametrize(
+    "body", [_EP_W4A8, _EP_W4A8_BF16, _TP_W4A8, _FLOAT, _BLOCK, _ERRORS],
+    ids=["ep_w4a8_f32", "ep_w4a8_bf16", "tp_w4a8", "float_ep_tp", "quantized_block", "errors"])
 def test_sharded_equals_unsharded(body):
   _run(body)
