@@ -10,3 +10,6 @@ from jax_moeq.ops.w4a8_cpu import convert_to_w4a8_int8_moe_format, dynamic_4bit_
 # Oracle, weights, fused_moe (helper-2).
 
 # GPU ops (helpers 3 and 4): import lazily inside their modules; nothing CUDA at import time.
+
+# Flax blocks, checkpoint loaders/writers, sharding (issue 3). safetensors is imported lazily.
+from jax_moeq import loaders, nn, sharding
