@@ -6,6 +6,10 @@ sends pairs routed elsewhere to a *null expert*: an extra local expert whose int
 row corrections and biases are all zero, so its output is exactly 0 for any input and any router
 weight (also with `apply_router_weight_on_input`). Partial outputs are summed with `psum`.
 The null expert is stored once per shard at packing time (no per-call weight copies).
+Dispatch: a shard first tries a compacted call on just its local (token, slot) pairs (a static
+capacity of ~capacity_factor * T*K / n_ep rows, gathered from the replicated tokens, results
+scatter-added back); if routing is too skewed for that capacity it runs every pair instead
+(`lax.cond`), so the result never depends on the capacity, only the work does.
 
 Tensor parallelism (TP, `tensor_axis`): the intermediate dimension I is split into n_tp slices.
 Shard j holds gate rows [jI/n, (j+1)I/n) *and* the same up rows of w13 (the gated activation pairs
@@ -177,26 +181,57 @@ def shard_w4a8_weights(w13_weight: Array, w2_weight: Array, w13_weight_scale: Ar
       group_size, mesh, expert_axis, tensor_axis)
 
 
-def _local_ids(topk_ids: Array, topk_weights: Array, local_experts: int, axis: str | None):
-  """Global ids -> this shard's ids; pairs routed to other shards go to the null expert."""
+def _ep_apply(run: Callable[[Array, Array, Array], Array], x: Array, topk_ids: Array,
+              topk_weights: Array, local_experts: int, axis: str | None, n_ep: int,
+              capacity_factor: float | None) -> Array:
+  """This shard's float32 [T, H] contribution: `run(x, ids, weights)` on its local experts.
+
+  Global ids become local ids; pairs routed to other shards go to the null expert (id
+  `local_experts`), which contributes exactly 0. With a `capacity_factor`, the shard first tries
+  a compacted call: its local (token, slot) pairs, at most C = ceil(capacity_factor * T*K / n_ep)
+  of them, each as a one-slot row, scatter-added back to their tokens; only when more than C
+  pairs are local (skewed routing) does it run every pair (`lax.cond`, so results never depend
+  on the capacity: only the work does).
+  """
+  t, k = topk_ids.shape
   if axis is None:
-    return topk_ids, topk_weights
-  first = jax.lax.axis_index(axis) * local_experts
-  local = topk_ids - first
+    return run(x, topk_ids, topk_weights).astype(jnp.float32)
+  local = topk_ids - jax.lax.axis_index(axis) * local_experts
   here = (local >= 0) & (local < local_experts)
-  return jnp.where(here, local, local_experts).astype(jnp.int32), topk_weights
+  ids = jnp.where(here, local, local_experts).astype(jnp.int32)
+  full = lambda: run(x, ids, topk_weights).astype(jnp.float32)
+  pairs = t * k
+  if capacity_factor is None:
+    return full()
+  cap = min(pairs, max(1, int(np.ceil(capacity_factor * pairs / n_ep))))
+  if cap >= pairs:
+    return full()
+
+  def compact():
+    order = jnp.argsort(~here.reshape(-1), stable=True)[:cap]  # local pairs first
+    token = order // k
+    y = run(x[token], ids.reshape(-1)[order][:, None], topk_weights.reshape(-1)[order][:, None])
+    return jnp.zeros((t, y.shape[-1]), jnp.float32).at[token].add(y.astype(jnp.float32))
+
+  return jax.lax.cond(jnp.sum(here) <= cap, compact, full)
 
 
 def _combine(y: Array, out_dtype, axes: tuple[str, ...]) -> Array:
-  if not axes:
-    return y
-  return jax.lax.psum(y.astype(jnp.float32), axes).astype(out_dtype)
+  """Sums float32 partial outputs over the mesh axes and rounds once."""
+  if axes:
+    y = jax.lax.psum(y, axes)
+  return y.astype(out_dtype)
 
 
 def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
                      weights: ShardedW4A8Weights, *, apply_router_weight_on_input: bool = False,
-                     activation_kind: int = 0) -> Array:
-  """`dynamic_4bit_int_moe` over the mesh of `weights` (EP and/or TP). x, ids: [T, ...] replicated."""
+                     activation_kind: int = 0, capacity_factor: float | None = 2.0) -> Array:
+  """`dynamic_4bit_int_moe` over the mesh of `weights` (EP and/or TP).
+
+  x [T, H], topk_ids / topk_weights [T, K] are replicated over the mesh; the result is too.
+  `capacity_factor` (EP only) sizes the compacted per-shard call (see `_ep_apply`); None always
+  runs every pair on every shard.
+  """
   mesh = weights.mesh
   n_ep = _axis_size(mesh, weights.expert_axis)
   n_tp = _axis_size(mesh, weights.tensor_axis)
@@ -208,11 +243,12 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
     raise ValueError(f"x must be [tokens, {h}], got shape {x.shape}")
 
   def body(x, ids, w, w13, w2):
-    ids, w = _local_ids(ids.astype(jnp.int32), w, local_e, weights.expert_axis)
-    y = w4a8_cpu.dynamic_4bit_int_moe(
+    run = lambda x, ids, w: w4a8_cpu.dynamic_4bit_int_moe(
         x, ids, w, w13[0], w2[0], h, local_i, 2 * local_i, g,
         apply_router_weight_on_input=apply_router_weight_on_input,
         activation_kind=activation_kind)
+    y = _ep_apply(run, x, ids.astype(jnp.int32), w, local_e, weights.expert_axis, n_ep,
+                  capacity_factor)
     return _combine(y, x.dtype, axes)
 
   fn = _shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), weights.spec, weights.spec),
@@ -221,7 +257,8 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
 
 
 def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
-                        tensor_axis: str | None = None) -> Callable[..., Array]:
+                        tensor_axis: str | None = None,
+                        capacity_factor: float | None = 2.0) -> Callable[..., Array]:
   """A sharded version of a `jax_moeq.nn.QuantizedMoE` block on the CPU W4A8 kernel.
 
   Returns `fn(x[..., H], router_logits=None) -> y[..., H]`, jittable, with the block's routing
@@ -244,7 +281,7 @@ def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
     topk_weights, topk_ids = block.route(logits)
     y = w4a8_moe_sharded(tokens, topk_ids, topk_weights, sharded,
                          apply_router_weight_on_input=spec.apply_router_weight_on_input,
-                         activation_kind=kind)
+                             activation_kind=kind, capacity_factor=capacity_factor)
     return y.reshape(*lead, spec.hidden_size)
 
   return fn
@@ -291,11 +328,13 @@ def shard_float_weights(w13: Array, w2: Array, *, mesh: Mesh, expert_axis: str |
 
 
 def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
-                    topk_weights: Array, weights: ShardedExpertArrays) -> Array:
+                    topk_weights: Array, weights: ShardedExpertArrays, *,
+                    capacity_factor: float | None = 2.0) -> Array:
   """Runs `expert_fn(x, topk_ids, topk_weights, **local_arrays) -> [T, H]` per shard and sums.
 
   `expert_fn` sees local expert ids in [0, E/n_ep] (the last is the null expert, all zeros) and
-  the local TP slice of every array; it must return the shard's [T, H] contribution.
+  the local TP slice of every array; it must return the shard's [T, H] contribution, and it
+  may be called with [C, 1] compacted pairs (see `_ep_apply`).
   """
   mesh = weights.mesh
   n_ep = _axis_size(mesh, weights.expert_axis)
@@ -304,9 +343,11 @@ def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
   spec = P(weights.tensor_axis, weights.expert_axis)
 
   def body(x, ids, w, *arrays):
-    ids, w = _local_ids(ids.astype(jnp.int32), w, local_e, weights.expert_axis)
     local = {n: a[0] for n, a in zip(weights.names, arrays)}
-    return _combine(expert_fn(x, ids, w, **local), x.dtype, axes)
+    run = lambda x, ids, w: expert_fn(x, ids, w, **local)
+    y = _ep_apply(run, x, ids.astype(jnp.int32), w, local_e, weights.expert_axis, n_ep,
+                  capacity_factor)
+    return _combine(y, x.dtype, axes)
 
   fn = _shard_map(body, mesh=mesh, in_specs=(P(), P(), P()) + (spec,) * len(weights.arrays),
                   out_specs=P())

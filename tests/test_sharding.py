@@ -51,7 +51,8 @@ _PRELUDE = textwrap.dedent("""
                   I=I, g=g)
 
     run = jax.jit(sh.w4a8_moe_sharded,
-                  static_argnames=("apply_router_weight_on_input", "activation_kind"))
+                  static_argnames=("apply_router_weight_on_input", "activation_kind",
+                                   "capacity_factor"))
 """)
 
 _EP_W4A8 = """
@@ -67,11 +68,25 @@ for g in (32, -1):
         mesh = sh.make_mesh(ep, 1)
         sw = sh.shard_w4a8_weights(p["q13"], p["q2"], p["s13"], p["s2"], g, mesh=mesh,
                                    expert_axis="ep", w13_bias=p["b13"], w2_bias=p["b2"])
-        got = run(p["x"], p["ids"], p["w"], sw, apply_router_weight_on_input=on_input,
-                  activation_kind=kind)
-        assert got.shape == want.shape and got.dtype == want.dtype
-        err = rel(got, want)
-        assert err <= 1e-6, (g, on_input, kind, ep, err)
+        # capacity 2.0: compacted local pairs (or every pair when a shard overflows); None: every
+        # pair on every shard. Both are exact.
+        for cap in (2.0, None):
+          got = run(p["x"], p["ids"], p["w"], sw, apply_router_weight_on_input=on_input,
+                    activation_kind=kind, capacity_factor=cap)
+          assert got.shape == want.shape and got.dtype == want.dtype
+          err = rel(got, want)
+          assert err <= 1e-6, (g, on_input, kind, ep, cap, err)
+
+# Skewed routing: every token on experts 0 and 1 (shard 0 of 4 overflows its capacity of
+# ceil(2 * T*K / 4) pairs and runs all pairs; the other shards compact). Still exact.
+p = problem(11, T=16)
+ids = jnp.tile(jnp.array([[0, 1]], jnp.int32), (16, 1))
+w13p, w2p, *_ = op.convert_to_w4a8_int8_moe_format(p["q13"], p["q2"], p["s13"], p["s2"], 32,
+                                                    p["b13"], p["b2"])
+want = op.dynamic_4bit_int_moe(p["x"], ids, p["w"], w13p, w2p, p["H"], p["I"], 2 * p["I"], 32)
+sw = sh.shard_w4a8_weights(p["q13"], p["q2"], p["s13"], p["s2"], 32, mesh=sh.make_mesh(4, 1),
+                           w13_bias=p["b13"], w2_bias=p["b2"])
+assert rel(run(p["x"], ids, p["w"], sw), want) <= 1e-6
 print("ok")
 """
 
@@ -142,8 +157,10 @@ for ep, tp in ((8, 1), (1, 8), (4, 2), (2, 2)):
   mesh = sh.make_mesh(ep, tp)
   sw = sh.shard_float_weights(w13, w2, mesh=mesh, expert_axis="ep" if ep > 1 else None,
                               tensor_axis="tp" if tp > 1 else None, w13_bias=b13, w2_bias=b2)
-  got = jax.jit(sh.experts_sharded, static_argnums=0)(dense_experts, x, p["ids"], p["w"], sw)
-  assert rel(got, want) <= 1e-6, (ep, tp, rel(got, want))
+  for cap in (2.0, None):
+    got = jax.jit(sh.experts_sharded, static_argnums=0, static_argnames="capacity_factor")(
+        dense_experts, x, p["ids"], p["w"], sw, capacity_factor=cap)
+    assert rel(got, want) <= 1e-6, (ep, tp, cap, rel(got, want))
 print("ok")
 """
 
