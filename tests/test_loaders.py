@@ -396,3 +396,13 @@ def test_progress_prints_bounded_lines():
   lines = buf.getvalue().splitlines()
   assert 2 <= len(lines) <= 12 and lines[-1].startswith("experts [") and "100/100" in lines[-1]
   assert list(progress.track_progress(range(3), "x", stream=io.StringIO())) == [0, 1, 2]
+
+
+def test_host_packers_agree_with_jnp_packers():
+  """The loaders' numpy packers and jax_moeq.quant.int4's jnp packers write the same words."""
+  int4 = pytest.importorskip("jax_moeq.quant.int4")
+  q = _rand_q(_rng(12), (3, 16, 64))
+  np.testing.assert_array_equal(int4_format.pack_uint4b8(q, axis=-1),
+                                np.asarray(int4.pack_uint4b8_ct(q)))
+  np.testing.assert_array_equal(int4_format.pack_uint4b8(np.swapaxes(q, -1, -2), axis=-2),
+                                np.asarray(int4.pack_uint4b8_gptq(q)))
