@@ -55,7 +55,7 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: LMConfig, dtype, rngs: nnx.Rngs):
     h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
     self.q, self.k, self.v, self.o = lin(h, n * d), lin(h, n * d), lin(h, n * d), lin(n * d, h)
     self.num_heads, self.head_dim = n, d
 
@@ -80,11 +80,12 @@ class Attention(nnx.Module):
 class DecoderBlock(nnx.Module):
 
   def __init__(self, cfg: LMConfig, dtype, rngs: nnx.Rngs):
-    self.attn_norm = nnx.RMSNorm(cfg.hidden_size, dtype=dtype, rngs=rngs)
+    # Parameters are stored in the compute dtype, as a bf16 checkpoint would be.
+    self.attn_norm = nnx.RMSNorm(cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
     self.attn = Attention(cfg, dtype, rngs)
-    self.moe_norm = nnx.RMSNorm(cfg.hidden_size, dtype=dtype, rngs=rngs)
+    self.moe_norm = nnx.RMSNorm(cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
     self.moe = MoE(cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size,
-                   dtype=dtype, rngs=rngs)
+                   dtype=dtype, param_dtype=dtype, rngs=rngs)
 
   def __call__(self, x, cache_k, cache_v, pos):
     a, cache_k, cache_v = self.attn(self.attn_norm(x), cache_k, cache_v, pos)
@@ -97,11 +98,12 @@ class MoELM(nnx.Module):
   def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
     self.cfg = cfg
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                           rngs=rngs)
     self.blocks = nnx.List([DecoderBlock(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-    self.norm = nnx.RMSNorm(cfg.hidden_size, dtype=dtype, rngs=rngs)
+    self.norm = nnx.RMSNorm(cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
     self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
-                              rngs=rngs)
+                              param_dtype=dtype, rngs=rngs)
 
   def init_cache(self, batch: int):
     c = self.cfg
