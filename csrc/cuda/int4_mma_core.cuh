@@ -1,0 +1,161 @@
+// Warp-level int4 x (bf16|fp16) tensor-core building blocks shared by the
+// GPU MoE kernels (WNA16 and MxInt4). No XLA types; header-only device code.
+//
+// Operand roles ("swap AB"): the weights are the A operand of
+// mma.sync.m16n8k16 (16 output channels per tile) and the tokens are the B
+// operand (8 tokens per tile), so a decode step with one token wastes
+// tensor-core work but no memory traffic.
+//
+// Packed weight layout (one GEMM of N outputs, K inputs, per expert):
+//   uint4 w[N/16][K/64][32 lanes]   (16 bytes per lane per 64-deep chunk)
+// Lane l = 4*g + t holds, for 16-row subtile rows {g, g+8} and the physical
+// inputs k0 + 16*t + [0, 16), four 32-bit words, one per mma k-step s:
+//   word s, nibble i (i < 4): row g + 8*(i & 1), k = k0 + 16t + 4s + 2*(i >> 1)
+//   word s, nibble i + 4     : the same row, k + 1
+// i.e. nibbles i and i+4 are the low and high halves of A register i of
+// step s. Nibbles hold q + 8 (uint4b8) unless the code is kSignedInt4.
+// The B operand uses the matching order: lane (g, t) reads tokens' inputs
+// k0 + 16t + [0, 16) as two 16-byte loads; word 2s and 2s+1 feed step s.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace jax_moeq::cuda {
+
+enum class NibbleCode { kUint4b8, kSignedInt4 };
+
+template <typename T>
+struct HalfType;
+
+template <>
+struct HalfType<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  // 128.0 in each half: OR-ing a nibble n into the mantissa gives 128 + n.
+  static constexpr uint32_t kMagic = 0x43004300u;
+  static constexpr float kMagicValue = 128.0f;
+  static constexpr uint32_t kMagicPlus8 = 0x43084308u;  // 136.0: zero point of uint4b8
+  __device__ __forceinline__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float v) {
+    return __float2bfloat16_rn(v);
+  }
+};
+
+template <>
+struct HalfType<__half> {
+  using T2 = __half2;
+  // 1024.0 in each half: 1024 + n for a nibble n.
+  static constexpr uint32_t kMagic = 0x64006400u;
+  static constexpr float kMagicValue = 1024.0f;
+  static constexpr uint32_t kMagicPlus8 = 0x64086408u;  // 1032.0
+  __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
+  __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
+};
+
+template <typename T>
+__device__ __forceinline__ float RoundTo(float v) {
+  return HalfType<T>::to_float(HalfType<T>::from_float(v));
+}
+
+template <typename T2>
+__device__ __forceinline__ T2 AsHalf2(uint32_t bits) {
+  return *reinterpret_cast<T2*>(&bits);
+}
+
+template <typename T2>
+__device__ __forceinline__ uint32_t AsBits(T2 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Both halves set to the low (hi=false) or high half of a packed pair.
+__device__ __forceinline__ uint32_t BroadcastHalf(uint32_t pair, bool hi) {
+  return __byte_perm(pair, 0, hi ? 0x3232 : 0x1010);
+}
+
+// 16-byte streaming load of packed weights: read once, keep out of L1.
+__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Dequantizes one word (the A fragment of one k-step) into four registers:
+// (nibble + magic - zero_magic) * scale, exact before the one rounding of the
+// product, so each value equals round_to_T(q * s) as in the reference.
+// scale_lo/zm_lo: row g (registers 0, 2); scale_hi/zm_hi: row g+8 (1, 3).
+// zm_* = magic + zero point (both halves), e.g. magic + 8 for uint4b8.
+template <typename T, NibbleCode kCode>
+__device__ __forceinline__ void DequantWord(uint32_t word, uint32_t scale_lo, uint32_t scale_hi,
+                                            uint32_t zm_lo, uint32_t zm_hi, uint32_t (&a)[4]) {
+  using T2 = typename HalfType<T>::T2;
+  if constexpr (kCode == NibbleCode::kSignedInt4) word ^= 0x88888888u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t biased = ((word >> (4 * i)) & 0x000f000fu) | HalfType<T>::kMagic;
+    const bool hi = (i & 1) != 0;
+    T2 v = __hsub2(AsHalf2<T2>(biased), AsHalf2<T2>(hi ? zm_hi : zm_lo));
+    v = __hmul2(v, AsHalf2<T2>(hi ? scale_hi : scale_lo));
+    a[i] = AsBits(v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Word j (0..7) of a lane's 16 activations (two 16-byte loads).
+__device__ __forceinline__ uint32_t ActWord(const uint4 (&x)[2], int j) {
+  const uint4& h = x[j >> 2];
+  switch (j & 3) {
+    case 0: return h.x;
+    case 1: return h.y;
+    case 2: return h.z;
+    default: return h.w;
+  }
+}
+
+// One 64-deep chunk for NSUB weight subtiles x MT token tiles:
+// acc[j][m] += dequant(w[j]) * x[m].
+template <typename T, NibbleCode kCode, int NSUB, int MT>
+__device__ __forceinline__ void MmaChunk(const uint4 (&w)[NSUB], const uint4 (&x)[MT][2],
+                                         const uint32_t (&scale)[NSUB],
+                                         const uint32_t (&zero_magic)[NSUB],
+                                         float (&acc)[NSUB][MT][4]) {
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j) {
+    const uint32_t s_lo = BroadcastHalf(scale[j], false), s_hi = BroadcastHalf(scale[j], true);
+    const uint32_t z_lo = BroadcastHalf(zero_magic[j], false);
+    const uint32_t z_hi = BroadcastHalf(zero_magic[j], true);
+    const uint32_t words[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t a[4];
+      DequantWord<T, kCode>(words[s], s_lo, s_hi, z_lo, z_hi, a);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        Mma16816<T>(acc[j][m], a, ActWord(x[m], 2 * s), ActWord(x[m], 2 * s + 1));
+      }
+    }
+  }
+}
+
+}  // namespace jax_moeq::cuda

@@ -1,0 +1,249 @@
+// Grouped int4-weight GEMM over expert blocks of tokens (the core of the GPU
+// fused MoE), plus the token-to-expert alignment it consumes. Templated on
+// the activation type and the nibble code so WNA16 (uint4b8) and MxInt4
+// (signed int4, bf16 scales per 32) share it. No XLA types.
+//
+// Work decomposition: blockIdx.x = expert block of block_m rows (of the
+// sorted, per-expert padded row list), blockIdx.y = 4 warps x "units" along
+// N, blockIdx.z = split of K. A unit is two 16-row weight subtiles, sub0 =
+// unit * unit_mult and sub1 = sub0 + sub_stride (GEMM1: gate row n and up
+// row I + n, so the activation can be applied in registers).
+#pragma once
+
+#include "cuda/int4_mma_core.cuh"
+
+namespace jax_moeq::cuda {
+
+enum class EpilogueKind {
+  kF32Store,   // acc -> ws[id][n] (atomicAdd when split > 1)
+  kActivation  // GEMM1, split == 1: bias, round, activation, round -> act[id][col]
+};
+
+struct MoeGemmArgs {
+  const void* x = nullptr;       // rows of T, row stride ld_x (elements)
+  int64_t ld_x = 0;
+  int in_div = 1;                // input row = id / in_div
+  const int32_t* sorted_ids = nullptr;
+  const int32_t* expert_ids = nullptr;
+  const int32_t* num_post_padded = nullptr;
+  int num_rows = 0;              // ids >= num_rows are padding
+  int block_m = 8;
+  const uint4* w = nullptr;      // [E][N/16][K/64][32]
+  const uint32_t* scales = nullptr;  // [E][G][N/16][8]
+  const uint32_t* zeros = nullptr;   // same layout, or null: zero point 8
+  int n = 0, k = 0, groups = 1;
+  int units = 0, unit_mult = 1, sub_stride = 1;
+  int splits = 1, chunks_per_split = 0;
+  EpilogueKind epilogue = EpilogueKind::kF32Store;
+  float* ws = nullptr;           // [rows][n] f32
+  void* act = nullptr;           // [rows][n/2] T (kActivation)
+  const int32_t* act_col = nullptr;  // [E][n/2]: output column of act (act-order), or null
+  const float* bias = nullptr;   // [E][n] or null
+  int activation = 0;
+};
+
+__device__ __forceinline__ float ApplyActivation(int kind, float gate, float up) {
+  if (kind == 1) {  // swigluoai (GPT-OSS)
+    const float g = fminf(gate, 7.0f);
+    const float u = fminf(fmaxf(up, -7.0f), 7.0f);
+    return (u + 1.0f) * g * (1.0f / (1.0f + expf(-1.702f * g)));
+  }
+  return gate / (1.0f + expf(-gate)) * up;  // silu(g) * u (kinds 0 and 2)
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreHalf(void* base, int64_t index, float v) {
+  reinterpret_cast<T*>(base)[index] = HalfType<T>::from_float(v);
+}
+
+// Chunks per pipeline stage: more in flight when few token tiles.
+template <int MT>
+__host__ __device__ constexpr int ChunksPerStage() {
+  return MT == 1 ? 4 : (MT == 2 ? 2 : 1);
+}
+
+template <typename T, NibbleCode kCode, int MT>
+__global__ void __launch_bounds__(128) MoeInt4GemmKernel(MoeGemmArgs p) {
+  constexpr int kNsub = 2;
+  constexpr int kStage = ChunksPerStage<MT>();
+  const int blk = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int unit = blockIdx.y * 4 + warp;
+  if (unit >= p.units) return;
+  const int block_m = MT * 8;
+  if (blk * block_m >= __ldg(p.num_post_padded)) return;
+  if (__ldg(p.sorted_ids + blk * block_m) >= p.num_rows) return;  // empty block
+  const int expert = __ldg(p.expert_ids + blk);
+  if (expert < 0) return;
+  const int g = lane >> 2, t = lane & 3;
+
+  // Activation rows of this lane (token g of each 8-token tile).
+  const T* xrow[MT];
+  bool xvalid[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const int id = __ldg(p.sorted_ids + blk * block_m + m * 8 + g);
+    xvalid[m] = id < p.num_rows;
+    xrow[m] = reinterpret_cast<const T*>(p.x) +
+              (xvalid[m] ? static_cast<int64_t>(id / p.in_div) * p.ld_x : 0) + 16 * t;
+  }
+
+  const int chunks = p.k / 64;
+  const int kc_begin = blockIdx.z * p.chunks_per_split;
+  const int kc_end = min(chunks, kc_begin + p.chunks_per_split);
+  const int n_sub = p.n / 16;
+  const int sub[kNsub] = {unit * p.unit_mult, unit * p.unit_mult + p.sub_stride};
+  const uint4* wp[kNsub];
+#pragma unroll
+  for (int j = 0; j < kNsub; ++j) {
+    wp[j] = p.w + (static_cast<int64_t>(expert) * n_sub + sub[j]) * chunks * 32 + lane;
+  }
+  const int group_chunks = p.k / p.groups;  // group size in elements
+  const uint32_t* sp = p.scales + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g;
+  const uint32_t* zp =
+      p.zeros ? p.zeros + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g : nullptr;
+
+  float acc[kNsub][MT][4];
+#pragma unroll
+  for (int j = 0; j < kNsub; ++j)
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[j][m][c] = 0.0f;
+
+  for (int kc = kc_begin; kc < kc_end; kc += kStage) {
+    uint4 wv[kStage][kNsub];
+    uint4 xv[kStage][MT][2];
+#pragma unroll
+    for (int u = 0; u < kStage; ++u) {
+      const bool live = kc + u < kc_end;
+#pragma unroll
+      for (int j = 0; j < kNsub; ++j) {
+        wv[u][j] = live ? LoadStreaming(wp[j] + (kc + u) * 32) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          xv[u][m][h] = (live && xvalid[m])
+                            ? __ldg(reinterpret_cast<const uint4*>(xrow[m] + (kc + u) * 64 + 8 * h))
+                            : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kStage; ++u) {
+      if (kc + u >= kc_end) break;
+      const int group = ((kc + u) * 64 + 16 * t) / group_chunks;
+      uint32_t scale[kNsub], zero_magic[kNsub];
+#pragma unroll
+      for (int j = 0; j < kNsub; ++j) {
+        const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
+        scale[j] = __ldg(sp + off);
+        if (zp) {
+          using T2 = typename HalfType<T>::T2;
+          zero_magic[j] = AsBits(__hadd2(AsHalf2<T2>(__ldg(zp + off)),
+                                         AsHalf2<T2>(HalfType<T>::kMagic)));
+        } else {
+          zero_magic[j] = HalfType<T>::kMagicPlus8;
+        }
+      }
+      MmaChunk<T, kCode, kNsub, MT>(wv[u], xv[u], scale, zero_magic, acc);
+    }
+  }
+
+  // Epilogue. Thread (g, t) holds rows g (c = 0, 1) and g + 8 (c = 2, 3) of
+  // each subtile, for tokens 2t (c even) and 2t + 1 (c odd) of each tile.
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = g + 8 * (c >> 1);
+      const int id = __ldg(p.sorted_ids + blk * block_m + m * 8 + 2 * t + (c & 1));
+      if (id >= p.num_rows) continue;
+      if (p.epilogue == EpilogueKind::kActivation) {
+        const int half_n = p.n / 2;
+        const int n = sub[0] * 16 + row;
+        float gate = acc[0][m][c], up = acc[1][m][c];
+        if (p.bias) {
+          gate += p.bias[static_cast<int64_t>(expert) * p.n + n];
+          up += p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
+        }
+        const float a = RoundTo<T>(ApplyActivation(p.activation, RoundTo<T>(gate), RoundTo<T>(up)));
+        const int col = p.act_col ? __ldg(p.act_col + static_cast<int64_t>(expert) * half_n + n) : n;
+        StoreHalf<T>(p.act, static_cast<int64_t>(id) * half_n + col, a);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          float* dst = p.ws + static_cast<int64_t>(id) * p.n + sub[j] * 16 + row;
+          if (p.splits > 1) {
+            atomicAdd(dst, acc[j][m][c]);
+          } else {
+            *dst = acc[j][m][c];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Standard format: sorted_ids lists pair ids p = t*K + k grouped by expert,
+// each expert's run padded to block_m with `num_rows`; expert_ids per block
+// (-1 past the end). Ids out of [0, E) are dropped (they contribute nothing).
+// One block of 1024 threads; shared memory 2 * E ints.
+static __global__ void __launch_bounds__(1024)
+    AlignStandardKernel(const int32_t* topk_ids, int num_pairs, int experts, int block_m,
+                        int max_padded, int max_blocks, int32_t* sorted_ids, int32_t* expert_ids,
+                        int32_t* num_post_padded) {
+  extern __shared__ int32_t shared[];
+  int32_t* counts = shared;
+  int32_t* cursor = shared + experts;
+  for (int i = threadIdx.x; i < experts; i += blockDim.x) counts[i] = 0;
+  for (int i = threadIdx.x; i < max_padded; i += blockDim.x) sorted_ids[i] = num_pairs;
+  for (int i = threadIdx.x; i < max_blocks; i += blockDim.x) expert_ids[i] = -1;
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
+    const int e = topk_ids[i];
+    if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int offset = 0;
+    for (int e = 0; e < experts; ++e) {
+      cursor[e] = offset;
+      offset += (counts[e] + block_m - 1) / block_m * block_m;
+    }
+    *num_post_padded = offset;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    const int first = cursor[e] / block_m;
+    const int last = first + (counts[e] + block_m - 1) / block_m;
+    for (int b = first; b < last; ++b) expert_ids[b] = e;
+  }
+  __syncthreads();  // expert_ids written before any later reader (next kernel) anyway
+  for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
+    const int e = topk_ids[i];
+    if (e >= 0 && e < experts) sorted_ids[atomicAdd(&cursor[e], 1)] = i;
+  }
+}
+
+// Batched format: expert e owns blocks [e * bpe, (e + 1) * bpe) of rows
+// e * M + m, m < expert_num_tokens[e] (clamped to M); padding is E * M.
+static __global__ void AlignBatchedKernel(const int32_t* expert_num_tokens, int experts,
+                                          int max_tokens, int block_m, int32_t* sorted_ids,
+                                          int32_t* expert_ids, int32_t* num_post_padded) {
+  const int blocks_per_expert = (max_tokens + block_m - 1) / block_m;
+  const int total = experts * blocks_per_expert * block_m;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i == 0) *num_post_padded = total;
+  if (i >= total) return;
+  const int b = i / block_m;
+  const int e = b / blocks_per_expert;
+  const int m = (b % blocks_per_expert) * block_m + i % block_m;
+  const int count = min(max(expert_num_tokens[e], 0), max_tokens);
+  sorted_ids[i] = m < count ? e * max_tokens + m : experts * max_tokens;
+  if (i % block_m == 0) expert_ids[b] = e;
+}
+
+}  // namespace jax_moeq::cuda

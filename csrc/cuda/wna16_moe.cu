@@ -1,0 +1,288 @@
+// GPU WNA16 fused MoE: alignment -> [act-order permute] -> GEMM1 (+activation)
+// -> GEMM2 -> top-k weighting and reduction over k. Launchers only; the GEMM
+// core lives in moe_int4_gemm.cuh.
+#include <algorithm>
+
+#include "cuda/moe_int4_gemm.cuh"
+#include "cuda/wna16_moe.h"
+
+namespace jax_moeq::cuda {
+namespace {
+
+constexpr int kWarpsPerCta = 4;
+
+// act-order: x_perm[id][j] = x[id / in_div][perm[e][j]], e the row's expert.
+template <typename T>
+__global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* row_expert_src,
+                                  int row_expert_div, const int32_t* perm, int hidden, int rows,
+                                  int experts, T* x_perm) {
+  const int id = blockIdx.x;
+  if (id >= rows) return;
+  const int e = row_expert_src ? row_expert_src[id] : id / row_expert_div;
+  if (e < 0 || e >= experts) return;
+  const T* src = x + static_cast<int64_t>(id / in_div) * hidden;
+  const int32_t* pe = perm + static_cast<int64_t>(e) * hidden;
+  T* dst = x_perm + static_cast<int64_t>(id) * hidden;
+  for (int j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = src[pe[j]];
+}
+
+// GEMM1 finalize after split-K: act[id][col] from ws13[id][0:2I].
+template <typename T>
+__global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
+                                 int row_expert_div, const int32_t* expert_num_tokens,
+                                 int max_tokens, const float* bias, const int32_t* act_col,
+                                 int inter, int rows, int experts, int activation, void* act) {
+  const int id = blockIdx.y;
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (id >= rows || n >= inter) return;
+  const int e = row_expert_src ? row_expert_src[id] : id / row_expert_div;
+  if (e < 0 || e >= experts) return;
+  if (expert_num_tokens && id % max_tokens >= expert_num_tokens[e]) return;
+  float gate = ws[static_cast<int64_t>(id) * 2 * inter + n];
+  float up = ws[static_cast<int64_t>(id) * 2 * inter + inter + n];
+  if (bias) {
+    gate += bias[static_cast<int64_t>(e) * 2 * inter + n];
+    up += bias[static_cast<int64_t>(e) * 2 * inter + inter + n];
+  }
+  const float a = RoundTo<T>(ApplyActivation(activation, RoundTo<T>(gate), RoundTo<T>(up)));
+  const int col = act_col ? act_col[static_cast<int64_t>(e) * inter + n] : n;
+  StoreHalf<T>(act, static_cast<int64_t>(id) * inter + col, a);
+}
+
+// Standard: out[t][n] = round(sum_k round((round(ws2[t*K+k][n] + b2) ) * w[t][k])),
+// experts out of range contribute nothing.
+template <typename T>
+__global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
+                                       const float* topk_weights, const float* bias, int top_k,
+                                       int hidden, int tokens, int experts, void* out) {
+  const int t = blockIdx.y;
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= tokens || n >= hidden) return;
+  float sum = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    const int pair = t * top_k + k;
+    const int e = topk_ids[pair];
+    if (e < 0 || e >= experts) continue;
+    float y = ws[static_cast<int64_t>(pair) * hidden + n];
+    if (bias) y += bias[static_cast<int64_t>(e) * hidden + n];
+    sum += RoundTo<T>(RoundTo<T>(y) * topk_weights[pair]);
+  }
+  StoreHalf<T>(out, static_cast<int64_t>(t) * hidden + n, sum);
+}
+
+// Batched: out[e][m][n] = round(ws2 + b2) for m < count[e], else 0.
+template <typename T>
+__global__ void FinalizeBatchedKernel(const float* ws, const int32_t* expert_num_tokens,
+                                      const float* bias, int max_tokens, int hidden, void* out) {
+  const int id = blockIdx.y;  // e * M + m
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= hidden) return;
+  const int e = id / max_tokens, m = id % max_tokens;
+  float y = 0.0f;
+  if (m < expert_num_tokens[e]) {
+    y = ws[static_cast<int64_t>(id) * hidden + n];
+    if (bias) y += bias[static_cast<int64_t>(e) * hidden + n];
+  }
+  StoreHalf<T>(out, static_cast<int64_t>(id) * hidden + n, y);
+}
+
+std::string CudaError(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return "";
+  return std::string(what) + ": " + cudaGetErrorString(err);
+}
+
+template <typename T, int MT>
+void LaunchGemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  const dim3 grid(max_blocks, (args.units + kWarpsPerCta - 1) / kWarpsPerCta, args.splits);
+  MoeInt4GemmKernel<T, NibbleCode::kUint4b8, MT><<<grid, kWarpsPerCta * 32, 0, stream>>>(args);
+}
+
+template <typename T>
+void LaunchGemmForBlock(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  switch (args.block_m) {
+    case 8: LaunchGemm<T, 1>(args, max_blocks, stream); break;
+    case 16: LaunchGemm<T, 2>(args, max_blocks, stream); break;
+    default: LaunchGemm<T, 4>(args, max_blocks, stream); break;
+  }
+}
+
+template <typename T>
+std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
+  const int64_t rows = Wna16MoeRows(p);
+  const int64_t max_padded = Wna16MoeMaxPadded(p);
+  const int64_t max_blocks = Wna16MoeMaxBlocks(p);
+  const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
+  const int E = static_cast<int>(p.experts);
+
+  // 1. Token-to-expert alignment.
+  if (p.batched) {
+    const int threads = 256;
+    const int blocks = static_cast<int>((max_padded + threads - 1) / threads);
+    AlignBatchedKernel<<<std::max(blocks, 1), threads, 0, stream>>>(
+        p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
+        p.expert_ids, p.num_post_padded);
+  } else {
+    AlignStandardKernel<<<1, 1024, 2 * E * sizeof(int32_t), stream>>>(
+        p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
+        static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded);
+  }
+  std::string err = CudaError("alignment kernel");
+  if (!err.empty()) return err;
+
+  // Expert of a row: from topk_ids (standard) or row / M (batched).
+  const int32_t* row_expert_src = p.batched ? nullptr : p.topk_ids;
+  const int row_expert_div = p.batched ? static_cast<int>(p.tokens) : 1;
+
+  // 2. act-order: gather each row's inputs in its expert's sorted K order.
+  const void* x13 = p.x;
+  int in_div = p.batched ? 1 : static_cast<int>(p.top_k);
+  if (p.act_order) {
+    PermuteRowsKernel<T><<<static_cast<int>(rows), 256, 0, stream>>>(
+        static_cast<const T*>(p.x), in_div, row_expert_src, row_expert_div, p.perm13, H,
+        static_cast<int>(rows), E, static_cast<T*>(p.x_perm));
+    err = CudaError("act-order permute kernel");
+    if (!err.empty()) return err;
+    x13 = p.x_perm;
+    in_div = 1;
+  }
+
+  // 3. GEMM1 (+ activation).
+  MoeGemmArgs g1;
+  g1.x = x13;
+  g1.ld_x = H;
+  g1.in_div = in_div;
+  g1.sorted_ids = p.sorted_ids;
+  g1.expert_ids = p.expert_ids;
+  g1.num_post_padded = p.num_post_padded;
+  g1.num_rows = static_cast<int>(rows);
+  g1.block_m = p.block_m;
+  g1.w = static_cast<const uint4*>(p.w13);
+  g1.scales = static_cast<const uint32_t*>(p.s13);
+  g1.zeros = p.has_zeros ? static_cast<const uint32_t*>(p.z13) : nullptr;
+  g1.n = 2 * I;
+  g1.k = H;
+  g1.groups = static_cast<int>(p.groups13);
+  g1.units = I / 16;
+  g1.unit_mult = 1;
+  g1.sub_stride = I / 16;
+  g1.splits = p.split13;
+  g1.chunks_per_split = (H / 64 + p.split13 - 1) / p.split13;
+  g1.bias = p.has_bias ? p.b13 : nullptr;
+  g1.activation = p.activation;
+  g1.act = p.act;
+  g1.act_col = p.act_order ? p.inv_perm2 : nullptr;
+  if (p.split13 > 1) {
+    g1.epilogue = EpilogueKind::kF32Store;
+    g1.ws = p.ws13;
+    if (cudaMemsetAsync(p.ws13, 0, rows * 2 * I * sizeof(float), stream) != cudaSuccess) {
+      return CudaError("memset ws13");
+    }
+  } else {
+    g1.epilogue = EpilogueKind::kActivation;
+  }
+  LaunchGemmForBlock<T>(g1, static_cast<int>(max_blocks), stream);
+  err = CudaError("GEMM1 kernel");
+  if (!err.empty()) return err;
+  if (p.split13 > 1) {
+    const dim3 grid((I + 255) / 256, static_cast<int>(rows));
+    Finalize13Kernel<T><<<grid, 256, 0, stream>>>(
+        p.ws13, row_expert_src, row_expert_div, p.batched ? p.expert_num_tokens : nullptr,
+        static_cast<int>(p.tokens), g1.bias, g1.act_col, I, static_cast<int>(rows), E,
+        p.activation, p.act);
+    err = CudaError("GEMM1 finalize kernel");
+    if (!err.empty()) return err;
+  }
+
+  // 4. GEMM2 into f32 rows.
+  MoeGemmArgs g2 = g1;
+  g2.x = p.act;
+  g2.ld_x = I;
+  g2.in_div = 1;
+  g2.w = static_cast<const uint4*>(p.w2);
+  g2.scales = static_cast<const uint32_t*>(p.s2);
+  g2.zeros = p.has_zeros ? static_cast<const uint32_t*>(p.z2) : nullptr;
+  g2.n = H;
+  g2.k = I;
+  g2.groups = static_cast<int>(p.groups2);
+  g2.units = H / 32;
+  g2.unit_mult = 2;
+  g2.sub_stride = 1;
+  g2.splits = p.split2;
+  g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
+  g2.epilogue = EpilogueKind::kF32Store;
+  g2.ws = p.ws2;
+  g2.bias = nullptr;
+  g2.act_col = nullptr;
+  if (p.split2 > 1 &&
+      cudaMemsetAsync(p.ws2, 0, rows * static_cast<int64_t>(H) * sizeof(float), stream) !=
+          cudaSuccess) {
+    return CudaError("memset ws2");
+  }
+  LaunchGemmForBlock<T>(g2, static_cast<int>(max_blocks), stream);
+  err = CudaError("GEMM2 kernel");
+  if (!err.empty()) return err;
+
+  // 5. Bias, top-k weights, reduction over k.
+  const float* b2 = p.has_bias ? p.b2 : nullptr;
+  if (p.batched) {
+    const dim3 grid((H + 255) / 256, static_cast<int>(rows));
+    FinalizeBatchedKernel<T><<<grid, 256, 0, stream>>>(p.ws2, p.expert_num_tokens, b2,
+                                                        static_cast<int>(p.tokens), H, p.out);
+  } else {
+    const dim3 grid((H + 255) / 256, static_cast<int>(p.tokens));
+    FinalizeStandardKernel<T><<<grid, 256, 0, stream>>>(
+        p.ws2, p.topk_ids, p.topk_weights, b2, static_cast<int>(p.top_k), H,
+        static_cast<int>(p.tokens), E, p.out);
+  }
+  return CudaError("finalize kernel");
+}
+
+}  // namespace
+
+int64_t Wna16MoeRows(const Wna16MoeProblem& p) {
+  return p.batched ? p.experts * p.tokens : p.tokens * p.top_k;
+}
+
+int64_t Wna16MoeMaxPadded(const Wna16MoeProblem& p) {
+  const int64_t bm = p.block_m;
+  if (p.batched) return p.experts * ((p.tokens + bm - 1) / bm) * bm;
+  const int64_t pairs = p.tokens * p.top_k;
+  const int64_t padded = pairs + std::min(pairs, p.experts) * (bm - 1);
+  return (padded + bm - 1) / bm * bm;
+}
+
+int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p) { return Wna16MoeMaxPadded(p) / p.block_m; }
+
+std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
+  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32) return "block_m must be 8, 16 or 32";
+  if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
+  if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
+    return "intermediate size must be a positive multiple of 64";
+  }
+  if (p.experts <= 0 || p.experts > 4096) return "number of experts must be in [1, 4096]";
+  if (p.groups13 <= 0 || p.hidden % p.groups13 != 0 || (p.hidden / p.groups13) % 16 != 0) {
+    return "w13 scale groups must divide the hidden size into groups of a multiple of 16";
+  }
+  if (p.groups2 <= 0 || p.intermediate % p.groups2 != 0 ||
+      (p.intermediate / p.groups2) % 16 != 0) {
+    return "w2 scale groups must divide the intermediate size into groups of a multiple of 16";
+  }
+  if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
+  if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
+  if (p.top_k < 1) return "top_k must be >= 1";
+  if (Wna16MoeRows(p) >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
+    return "problem too large for 32-bit row indexing";
+  }
+  return "";
+}
+
+std::string RunWna16Moe(const Wna16MoeProblem& p, cudaStream_t stream) {
+  std::string err = ValidateWna16MoeProblem(p);
+  if (!err.empty()) return err;
+  if (Wna16MoeRows(p) == 0) return "";
+  return p.dtype == HalfKind::kBF16 ? RunTyped<__nv_bfloat16>(p, stream)
+                                    : RunTyped<__half>(p, stream);
+}
+
+}  // namespace jax_moeq::cuda

@@ -1,0 +1,27 @@
+// Registry of the CUDA library's FFI handlers, read by jax_moeq/_ffi.py via
+// ctypes. One line per target; the two arrays stay in step.
+#include "xla/ffi/api/c_api.h"
+
+extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCuda(XLA_FFI_CallFrame* call_frame);
+
+namespace {
+
+const char* kTargetNames[] = {
+    "jax_moeq_wna16_moe_cuda",
+};
+
+void* kTargetHandlers[] = {
+    reinterpret_cast<void*>(&JaxMoeqWna16MoeCuda),
+};
+
+static_assert(sizeof(kTargetNames) / sizeof(kTargetNames[0]) ==
+              sizeof(kTargetHandlers) / sizeof(kTargetHandlers[0]));
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) int jax_moeq_cuda_targets(const char*** names,
+                                                                            void*** handlers) {
+  *names = kTargetNames;
+  *handlers = kTargetHandlers;
+  return static_cast<int>(sizeof(kTargetNames) / sizeof(kTargetNames[0]));
+}

@@ -1,0 +1,231 @@
+// FFI binding of the GPU WNA16 fused MoE: decode buffers and attributes,
+// validate, enqueue the launchers of csrc/cuda on XLA's stream.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/wna16_moe.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_moeq::ffi_cuda {
+namespace {
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument("jax_moeq_wna16_moe_cuda: " + message);
+}
+
+std::string Dims(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+bool HasShape(ffi::AnyBuffer::Dimensions dims, std::initializer_list<int64_t> want) {
+  if (dims.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want) {
+    if (dims[i++] != w) return false;
+  }
+  return true;
+}
+
+ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buffer,
+                      std::initializer_list<int64_t> want) {
+  if (HasShape(buffer.dimensions(), want)) return ffi::Error::Success();
+  std::string w = "[";
+  size_t i = 0;
+  for (int64_t v : want) w += (i++ ? ", " : "") + std::to_string(v);
+  return Invalid(std::string(name) + " has shape " + Dims(buffer.dimensions()) + ", expected " +
+                 w + "]");
+}
+
+#define RETURN_IF_ERROR(expr)          \
+  do {                                 \
+    ffi::Error _e = (expr);            \
+    if (_e.failure()) return _e;       \
+  } while (0)
+
+ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer route_ids,
+                        ffi::AnyBuffer route_weights, ffi::AnyBuffer w13, ffi::AnyBuffer s13,
+                        ffi::AnyBuffer z13, ffi::AnyBuffer b13, ffi::AnyBuffer w2,
+                        ffi::AnyBuffer s2, ffi::AnyBuffer z2, ffi::AnyBuffer b2,
+                        ffi::AnyBuffer perm13, ffi::AnyBuffer inv_perm2,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> sorted_ids,
+                        ffi::Result<ffi::AnyBuffer> expert_ids,
+                        ffi::Result<ffi::AnyBuffer> num_post_padded,
+                        ffi::Result<ffi::AnyBuffer> x_perm, ffi::Result<ffi::AnyBuffer> act,
+                        ffi::Result<ffi::AnyBuffer> ws13, ffi::Result<ffi::AnyBuffer> ws2,
+                        bool batched, int64_t hidden_size, int64_t intermediate_size,
+                        int64_t groups13, int64_t groups2, int64_t block_m, int64_t split13,
+                        int64_t split2, int64_t activation_kind, bool has_zeros, bool has_bias,
+                        bool act_order) {
+  cuda::Wna16MoeProblem p;
+  switch (x.element_type()) {
+    case ffi::BF16: p.dtype = cuda::HalfKind::kBF16; break;
+    case ffi::F16: p.dtype = cuda::HalfKind::kF16; break;
+    default: return Invalid("x must be bfloat16 or float16");
+  }
+  const auto xd = x.dimensions();
+  p.batched = batched;
+  p.hidden = hidden_size;
+  p.intermediate = intermediate_size;
+  p.groups13 = groups13;
+  p.groups2 = groups2;
+  p.block_m = static_cast<int>(block_m);
+  p.split13 = static_cast<int>(split13);
+  p.split2 = static_cast<int>(split2);
+  p.activation = static_cast<int>(activation_kind);
+  p.has_zeros = has_zeros;
+  p.has_bias = has_bias;
+  p.act_order = act_order;
+  const int64_t H = hidden_size, I = intermediate_size;
+  const auto w13d = w13.dimensions();
+  if (w13d.size() != 5) return Invalid("w13 must be packed [E, 2I/16, H/64, 32, 4] uint32");
+  p.experts = w13d[0];
+  const int64_t E = p.experts;
+  if (batched) {
+    if (xd.size() != 3 || xd[0] != E || xd[2] != H) {
+      return Invalid("batched x must be [E, max_tokens, hidden], got " + Dims(xd));
+    }
+    p.tokens = xd[1];
+    p.top_k = 1;
+    if (route_ids.element_type() != ffi::S32) return Invalid("expert_num_tokens must be int32");
+    RETURN_IF_ERROR(CheckShape("expert_num_tokens", route_ids, {E}));
+  } else {
+    if (xd.size() != 2 || xd[1] != H) return Invalid("x must be [tokens, hidden], got " + Dims(xd));
+    p.tokens = xd[0];
+    if (route_ids.element_type() != ffi::S32) return Invalid("topk_ids must be int32");
+    if (route_weights.element_type() != ffi::F32) return Invalid("topk_weights must be float32");
+    const auto id = route_ids.dimensions();
+    if (id.size() != 2 || id[0] != p.tokens) {
+      return Invalid("topk_ids must be [tokens, top_k], got " + Dims(id));
+    }
+    p.top_k = id[1];
+    RETURN_IF_ERROR(CheckShape("topk_weights", route_weights, {p.tokens, p.top_k}));
+  }
+  std::string err = cuda::ValidateWna16MoeProblem(p);
+  if (!err.empty()) return Invalid(err);
+
+  RETURN_IF_ERROR(CheckShape("w13", w13, {E, 2 * I / 16, H / 64, 32, 4}));
+  RETURN_IF_ERROR(CheckShape("w2", w2, {E, H / 16, I / 64, 32, 4}));
+  RETURN_IF_ERROR(CheckShape("w13_scales", s13, {E, groups13, 2 * I / 16, 16}));
+  RETURN_IF_ERROR(CheckShape("w2_scales", s2, {E, groups2, H / 16, 16}));
+  if (s13.element_type() != x.element_type() || s2.element_type() != x.element_type()) {
+    return Invalid("scales must have x's dtype");
+  }
+  if (has_zeros) {
+    RETURN_IF_ERROR(CheckShape("w13_zeros", z13, {E, groups13, 2 * I / 16, 16}));
+    RETURN_IF_ERROR(CheckShape("w2_zeros", z2, {E, groups2, H / 16, 16}));
+    if (z13.element_type() != x.element_type() || z2.element_type() != x.element_type()) {
+      return Invalid("zero points must have x's dtype");
+    }
+  }
+  if (has_bias) {
+    RETURN_IF_ERROR(CheckShape("w13_bias", b13, {E, 2 * I}));
+    RETURN_IF_ERROR(CheckShape("w2_bias", b2, {E, H}));
+    if (b13.element_type() != ffi::F32 || b2.element_type() != ffi::F32) {
+      return Invalid("biases must be float32");
+    }
+  }
+  if (act_order) {
+    RETURN_IF_ERROR(CheckShape("w13_perm", perm13, {E, H}));
+    RETURN_IF_ERROR(CheckShape("w2_inv_perm", inv_perm2, {E, I}));
+    if (perm13.element_type() != ffi::S32 || inv_perm2.element_type() != ffi::S32) {
+      return Invalid("act-order permutations must be int32");
+    }
+  }
+  const int64_t rows = cuda::Wna16MoeRows(p);
+  if (out->element_type() != x.element_type()) return Invalid("output dtype differs from x");
+  if (batched) {
+    RETURN_IF_ERROR(CheckShape("output", *out, {E, p.tokens, H}));
+  } else {
+    RETURN_IF_ERROR(CheckShape("output", *out, {p.tokens, H}));
+  }
+  if (sorted_ids->element_count() < cuda::Wna16MoeMaxPadded(p) ||
+      expert_ids->element_count() < cuda::Wna16MoeMaxBlocks(p) ||
+      num_post_padded->element_count() < 1) {
+    return Invalid("alignment scratch too small (sorted_ids needs " +
+                   std::to_string(cuda::Wna16MoeMaxPadded(p)) + ", expert_ids " +
+                   std::to_string(cuda::Wna16MoeMaxBlocks(p)) + ")");
+  }
+  if (act->element_count() < rows * I || act->element_type() != x.element_type()) {
+    return Invalid("act scratch must hold rows * I elements of x's dtype");
+  }
+  if (act_order && static_cast<int64_t>(x_perm->element_count()) < rows * H) {
+    return Invalid("x_perm scratch must hold rows * H elements");
+  }
+  if (split13 > 1 && static_cast<int64_t>(ws13->element_count()) < rows * 2 * I) {
+    return Invalid("ws13 scratch must hold rows * 2I floats when split13 > 1");
+  }
+  if (static_cast<int64_t>(ws2->element_count()) < rows * H) {
+    return Invalid("ws2 scratch must hold rows * H floats");
+  }
+
+  p.x = x.untyped_data();
+  p.topk_ids = batched ? nullptr : static_cast<const int32_t*>(route_ids.untyped_data());
+  p.topk_weights = batched ? nullptr : static_cast<const float*>(route_weights.untyped_data());
+  p.expert_num_tokens = batched ? static_cast<const int32_t*>(route_ids.untyped_data()) : nullptr;
+  p.w13 = w13.untyped_data();
+  p.s13 = s13.untyped_data();
+  p.z13 = z13.untyped_data();
+  p.b13 = static_cast<const float*>(b13.untyped_data());
+  p.w2 = w2.untyped_data();
+  p.s2 = s2.untyped_data();
+  p.z2 = z2.untyped_data();
+  p.b2 = static_cast<const float*>(b2.untyped_data());
+  p.perm13 = static_cast<const int32_t*>(perm13.untyped_data());
+  p.inv_perm2 = static_cast<const int32_t*>(inv_perm2.untyped_data());
+  p.out = out->untyped_data();
+  p.sorted_ids = static_cast<int32_t*>(sorted_ids->untyped_data());
+  p.expert_ids = static_cast<int32_t*>(expert_ids->untyped_data());
+  p.num_post_padded = static_cast<int32_t*>(num_post_padded->untyped_data());
+  p.x_perm = x_perm->untyped_data();
+  p.act = act->untyped_data();
+  p.ws13 = static_cast<float*>(ws13->untyped_data());
+  p.ws2 = static_cast<float*>(ws2->untyped_data());
+  err = cuda::RunWna16Moe(p, stream);
+  if (!err.empty()) return ffi::Error::Internal("jax_moeq_wna16_moe_cuda: " + err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_moeq::ffi_cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeqWna16MoeCuda, jax_moeq::ffi_cuda::Wna16MoeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // topk_ids | expert_num_tokens
+                                  .Arg<ffi::AnyBuffer>()  // topk_weights | unused
+                                  .Arg<ffi::AnyBuffer>()  // w13
+                                  .Arg<ffi::AnyBuffer>()  // w13_scales
+                                  .Arg<ffi::AnyBuffer>()  // w13_zeros
+                                  .Arg<ffi::AnyBuffer>()  // w13_bias
+                                  .Arg<ffi::AnyBuffer>()  // w2
+                                  .Arg<ffi::AnyBuffer>()  // w2_scales
+                                  .Arg<ffi::AnyBuffer>()  // w2_zeros
+                                  .Arg<ffi::AnyBuffer>()  // w2_bias
+                                  .Arg<ffi::AnyBuffer>()  // w13_perm
+                                  .Arg<ffi::AnyBuffer>()  // w2_inv_perm
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // sorted_ids
+                                  .Ret<ffi::AnyBuffer>()  // expert_ids
+                                  .Ret<ffi::AnyBuffer>()  // num_post_padded
+                                  .Ret<ffi::AnyBuffer>()  // x_perm
+                                  .Ret<ffi::AnyBuffer>()  // act
+                                  .Ret<ffi::AnyBuffer>()  // ws13
+                                  .Ret<ffi::AnyBuffer>()  // ws2
+                                  .Attr<bool>("batched")
+                                  .Attr<int64_t>("hidden_size")
+                                  .Attr<int64_t>("intermediate_size")
+                                  .Attr<int64_t>("groups13")
+                                  .Attr<int64_t>("groups2")
+                                  .Attr<int64_t>("block_m")
+                                  .Attr<int64_t>("split13")
+                                  .Attr<int64_t>("split2")
+                                  .Attr<int64_t>("activation_kind")
+                                  .Attr<bool>("has_zeros")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("act_order"));
