@@ -193,39 +193,79 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
 }  // namespace
 }  // namespace jax_moeq::ffi_cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeqWna16MoeCuda, jax_moeq::ffi_cuda::Wna16MoeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // topk_ids | expert_num_tokens
-                                  .Arg<ffi::AnyBuffer>()  // topk_weights | unused
-                                  .Arg<ffi::AnyBuffer>()  // w13
-                                  .Arg<ffi::AnyBuffer>()  // w13_scales
-                                  .Arg<ffi::AnyBuffer>()  // w13_zeros
-                                  .Arg<ffi::AnyBuffer>()  // w13_bias
-                                  .Arg<ffi::AnyBuffer>()  // w2
-                                  .Arg<ffi::AnyBuffer>()  // w2_scales
-                                  .Arg<ffi::AnyBuffer>()  // w2_zeros
-                                  .Arg<ffi::AnyBuffer>()  // w2_bias
-                                  .Arg<ffi::AnyBuffer>()  // w13_perm
-                                  .Arg<ffi::AnyBuffer>()  // w2_inv_perm
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // sorted_ids
-                                  .Ret<ffi::AnyBuffer>()  // expert_ids
-                                  .Ret<ffi::AnyBuffer>()  // num_post_padded
-                                  .Ret<ffi::AnyBuffer>()  // x_perm
-                                  .Ret<ffi::AnyBuffer>()  // act
-                                  .Ret<ffi::AnyBuffer>()  // ws13
-                                  .Ret<ffi::AnyBuffer>()  // ws2
-                                  .Attr<bool>("batched")
-                                  .Attr<int64_t>("hidden_size")
-                                  .Attr<int64_t>("intermediate_size")
-                                  .Attr<int64_t>("groups13")
-                                  .Attr<int64_t>("groups2")
-                                  .Attr<int64_t>("block_m")
-                                  .Attr<int64_t>("split13")
-                                  .Attr<int64_t>("split2")
-                                  .Attr<int64_t>("activation_kind")
-                                  .Attr<bool>("has_zeros")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("act_order"));
+namespace jax_moeq::ffi_cuda {
+namespace {
+
+// Argument list shared by the plain handler and the one whose output is
+// aliased to an extra input (tests poison that input to prove full writes).
+auto BindArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()   // x
+      .Arg<ffi::AnyBuffer>()   // topk_ids | expert_num_tokens
+      .Arg<ffi::AnyBuffer>()   // topk_weights | unused
+      .Arg<ffi::AnyBuffer>()   // w13
+      .Arg<ffi::AnyBuffer>()   // w13_scales
+      .Arg<ffi::AnyBuffer>()   // w13_zeros
+      .Arg<ffi::AnyBuffer>()   // w13_bias
+      .Arg<ffi::AnyBuffer>()   // w2
+      .Arg<ffi::AnyBuffer>()   // w2_scales
+      .Arg<ffi::AnyBuffer>()   // w2_zeros
+      .Arg<ffi::AnyBuffer>()   // w2_bias
+      .Arg<ffi::AnyBuffer>()   // w13_perm
+      .Arg<ffi::AnyBuffer>();  // w2_inv_perm
+}
+
+template <typename Binding>
+auto BindResultsAndAttrs(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // sorted_ids
+      .template Ret<ffi::AnyBuffer>()  // expert_ids
+      .template Ret<ffi::AnyBuffer>()  // num_post_padded
+      .template Ret<ffi::AnyBuffer>()  // x_perm
+      .template Ret<ffi::AnyBuffer>()  // act
+      .template Ret<ffi::AnyBuffer>()  // ws13
+      .template Ret<ffi::AnyBuffer>()  // ws2
+      .template Attr<bool>("batched")
+      .template Attr<int64_t>("hidden_size")
+      .template Attr<int64_t>("intermediate_size")
+      .template Attr<int64_t>("groups13")
+      .template Attr<int64_t>("groups2")
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("split13")
+      .template Attr<int64_t>("split2")
+      .template Attr<int64_t>("activation_kind")
+      .template Attr<bool>("has_zeros")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("act_order");
+}
+
+ffi::Error Wna16MoeIntoImpl(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer route_ids, ffi::AnyBuffer route_weights,
+    ffi::AnyBuffer w13, ffi::AnyBuffer s13, ffi::AnyBuffer z13, ffi::AnyBuffer b13,
+    ffi::AnyBuffer w2, ffi::AnyBuffer s2, ffi::AnyBuffer z2, ffi::AnyBuffer b2,
+    ffi::AnyBuffer perm13, ffi::AnyBuffer inv_perm2, ffi::AnyBuffer /*aliased out*/,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> sorted_ids,
+    ffi::Result<ffi::AnyBuffer> expert_ids, ffi::Result<ffi::AnyBuffer> num_post_padded,
+    ffi::Result<ffi::AnyBuffer> x_perm, ffi::Result<ffi::AnyBuffer> act,
+    ffi::Result<ffi::AnyBuffer> ws13, ffi::Result<ffi::AnyBuffer> ws2, bool batched,
+    int64_t hidden_size, int64_t intermediate_size, int64_t groups13, int64_t groups2,
+    int64_t block_m, int64_t split13, int64_t split2, int64_t activation_kind, bool has_zeros,
+    bool has_bias, bool act_order) {
+  return Wna16MoeImpl(stream, x, route_ids, route_weights, w13, s13, z13, b13, w2, s2, z2, b2,
+                      perm13, inv_perm2, out, sorted_ids, expert_ids, num_post_padded, x_perm,
+                      act, ws13, ws2, batched, hidden_size, intermediate_size, groups13, groups2,
+                      block_m, split13, split2, activation_kind, has_zeros, has_bias, act_order);
+}
+
+}  // namespace
+}  // namespace jax_moeq::ffi_cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqWna16MoeCuda, jax_moeq::ffi_cuda::Wna16MoeImpl,
+    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqWna16MoeCudaInto, jax_moeq::ffi_cuda::Wna16MoeIntoImpl,
+    jax_moeq::ffi_cuda::BindResultsAndAttrs(
+        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()));
