@@ -265,8 +265,11 @@ def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
   and router; the experts run EP / TP over `mesh` (weights packed and placed once, here).
   """
   w = block.canonical_int4()
-  if w.w13_perm is not None:
+  if w.w13_g_idx is not None:
     raise ValueError("blocks with act-order on w13 cannot run on the W4A8 kernel")
+  if w.w2_g_idx is not None:  # fold w2's act-order into w13's rows (exact)
+    from jax_moeq.nn._backends import int4_experts_from_layer
+    w = int4_experts_from_layer(w.to_layer().sorted_by_group()[0])
   s13, s2 = w.w13_scale, w.w2_scale
   if w.group_size != -1:
     s13, s2 = s13.astype(jnp.bfloat16), s2.astype(jnp.bfloat16)

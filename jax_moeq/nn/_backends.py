@@ -27,11 +27,12 @@ ACTIVATION_KIND = {"silu": 0, "swigluoai": 1}
 # ------------------------------------------------------------------ weights
 @dataclasses.dataclass
 class Int4Experts:
-  """Canonical int4 expert weights (host or device arrays).
+  """Canonical int4 expert weights (host or device arrays), as checkpoints hold them.
 
-  w13 [E, 2I, H], w2 [E, H, I]: int8 holding int4 values, groups contiguous along the input.
+  w13 [E, 2I, H], w2 [E, H, I]: int8 holding int4 values, in natural input order.
   w13_scale [E, 2I, H/g] / w2_scale [E, H, I/g] (bf16 or fp16; f32 [.., 1] channel-wise).
-  w13_perm [E, H] int32 or None: act-order; expert e computes with x[:, w13_perm[e]].
+  w13_g_idx [E, H] / w2_g_idx [E, I] int32 or None: act-order, the group of each input channel
+  (None: contiguous groups, g_idx[k] = k // g).
   """
 
   w13: Any
@@ -41,7 +42,17 @@ class Int4Experts:
   group_size: int
   w13_bias: Any = None
   w2_bias: Any = None
-  w13_perm: Any = None
+  w13_g_idx: Any = None
+  w2_g_idx: Any = None
+
+  def to_layer(self):
+    """As a host-side `jax_moeq.loaders.MoELayerTensors` (no router)."""
+    from jax_moeq.loaders import MoELayerTensors
+    host = lambda a: None if a is None else np.asarray(a)
+    return MoELayerTensors(
+        w13=host(self.w13), w2=host(self.w2), w13_scale=host(self.w13_scale),
+        w2_scale=host(self.w2_scale), group_size=self.group_size, w13_g_idx=host(self.w13_g_idx),
+        w2_g_idx=host(self.w2_g_idx), w13_bias=host(self.w13_bias), w2_bias=host(self.w2_bias))
 
 
 def quantize_experts(w13: Array, w2: Array, group_size: int, scheme: str,
@@ -55,16 +66,15 @@ def quantize_experts(w13: Array, w2: Array, group_size: int, scheme: str,
 
 
 def int4_experts_from_layer(layer) -> Int4Experts:
-  """`jax_moeq.loaders.MoELayerTensors` (int4) -> `Int4Experts` (act-order folded, SPEC §7)."""
+  """`jax_moeq.loaders.MoELayerTensors` (int4) -> `Int4Experts`."""
   if not layer.quantized:
     raise ValueError("the checkpoint layer holds float weights; quantize it (QuantizedMoE.from_float) "
                      "or load an int4 checkpoint")
-  folded, w13_perm = layer.sorted_by_group()
-  f32 = lambda b: None if b is None else jnp.asarray(b, jnp.float32)
-  return Int4Experts(jnp.asarray(folded.w13), jnp.asarray(folded.w2),
-                     jnp.asarray(folded.w13_scale), jnp.asarray(folded.w2_scale),
-                     folded.group_size, f32(folded.w13_bias), f32(folded.w2_bias),
-                     None if w13_perm is None else jnp.asarray(w13_perm))
+  dev = lambda a, dt=None: None if a is None else jnp.asarray(a, dt)
+  return Int4Experts(dev(layer.w13), dev(layer.w2), dev(layer.w13_scale), dev(layer.w2_scale),
+                     layer.group_size, dev(layer.w13_bias, jnp.float32),
+                     dev(layer.w2_bias, jnp.float32), dev(layer.w13_g_idx, jnp.int32),
+                     dev(layer.w2_g_idx, jnp.int32))
 
 
 # ------------------------------------------------------------------ routing and float compute
@@ -194,10 +204,14 @@ def choose_backend(spec, scheme: str, group_size: int, dtype, moe_backend: str,
 def prepare(choice: BackendChoice, weights: Int4Experts, spec) -> dict[str, Array]:
   """Converts canonical int4 weights to the chosen backend's arrays, once."""
   if choice.backend == CPU_INT4:
-    if weights.w13_perm is not None:
+    if weights.w13_g_idx is not None:
       raise ValueError("these weights use act-order on w13 (a per-expert permutation of the "
                        "hidden input), which the W4A8 kernel cannot apply; run them on the "
                        "reference backend (allow_activation_quantization=False)")
+    if weights.w2_g_idx is not None:
+      # w2's act-order permutes I: fold it into w13's rows (gate and up together), exactly.
+      folded, _ = weights.to_layer().sorted_by_group()
+      weights = int4_experts_from_layer(folded)
     s13, s2 = weights.w13_scale, weights.w2_scale
     if weights.group_size != -1:
       # The W4A8 kernel takes bf16 group scales; fp16 (GPTQ) scales are rounded to bf16.
@@ -212,10 +226,9 @@ def prepare(choice: BackendChoice, weights: Int4Experts, spec) -> dict[str, Arra
   if choice.backend == REFERENCE:
     out = {"w13_q": jnp.asarray(weights.w13), "w2_q": jnp.asarray(weights.w2),
            "w13_scale": jnp.asarray(weights.w13_scale), "w2_scale": jnp.asarray(weights.w2_scale)}
-    if weights.w13_bias is not None:
-      out["w13_bias"], out["w2_bias"] = weights.w13_bias, weights.w2_bias
-    if weights.w13_perm is not None:
-      out["w13_perm"] = jnp.asarray(weights.w13_perm, jnp.int32)
+    for name in ("w13_bias", "w2_bias", "w13_g_idx", "w2_g_idx"):
+      if getattr(weights, name) is not None:
+        out[name] = jnp.asarray(getattr(weights, name))
     return out
   from jax_moeq.nn import _oracle_bridge
   return _oracle_bridge.prepare_gpu(choice, weights, spec)
@@ -236,7 +249,7 @@ def to_canonical(backend: str, arrays: dict[str, Array], spec, group_size: int) 
   if backend == REFERENCE:
     return Int4Experts(arrays["w13_q"], arrays["w2_q"], arrays["w13_scale"], arrays["w2_scale"],
                        group_size, arrays.get("w13_bias"), arrays.get("w2_bias"),
-                       arrays.get("w13_perm"))
+                       arrays.get("w13_g_idx"), arrays.get("w2_g_idx"))
   from jax_moeq.nn import _oracle_bridge
   return _oracle_bridge.to_canonical_gpu(backend, arrays, spec, group_size)
 

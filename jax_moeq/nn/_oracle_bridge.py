@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_moeq.nn._backends import CPU_INT4, REFERENCE, BackendChoice
+from jax_moeq.nn._backends import ACTIVATION_KIND, CPU_INT4, REFERENCE, BackendChoice
 
 W4A8_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 W4A8_GROUP_SIZES = (32, 64, 128, -1)
@@ -79,6 +79,28 @@ def apply_gpu(backend, arrays, x, topk_ids, topk_weights, spec, scheme, group_si
   raise NotImplementedError(f"backend {backend!r} is not wired")
 
 
+def to_canonical_gpu(backend, arrays, spec, group_size):
+  raise NotImplementedError(f"backend {backend!r} has no inverse conversion here")
+
+
 def reference(scheme: str, arrays, x, topk_ids, topk_weights, spec, group_size: int):
-  """The jnp reference of `scheme` on canonical int4 arrays."""
-  raise NotImplementedError("reference backend pending")
+  """The jnp reference of `scheme` on canonical int4 arrays (natural order, optional g_idx).
+
+  "w4a8_int8": `reference.fused_moe_w4a8`. "wna16": `reference.fused_moe_wna16`. "mxint4": the
+  MxInt4 kernel's arithmetic is `fused_moe_wna16`'s with group 32 (reference.fused_moe_mxint4
+  routes inside; the block has routed already), so it runs through `fused_moe_wna16`.
+  """
+  from jax_moeq import reference as ref
+  kind = ACTIVATION_KIND[spec.activation]
+  common = dict(w13_bias=arrays.get("w13_bias"), w2_bias=arrays.get("w2_bias"),
+                apply_router_weight_on_input=spec.apply_router_weight_on_input,
+                activation_kind=kind)
+  if scheme == "w4a8_int8":
+    if "w13_g_idx" in arrays or "w2_g_idx" in arrays:
+      raise ValueError("w4a8_int8 weights with act-order (g_idx) are not supported")
+    return ref.fused_moe_w4a8(x, topk_ids, topk_weights, arrays["w13_q"], arrays["w13_scale"],
+                              arrays["w2_q"], arrays["w2_scale"], group_size, **common)
+  return ref.fused_moe_wna16(x, topk_ids, topk_weights, arrays["w13_q"], arrays["w13_scale"],
+                             arrays["w2_q"], arrays["w2_scale"], group_size,
+                             w13_g_idx=arrays.get("w13_g_idx"), w2_g_idx=arrays.get("w2_g_idx"),
+                             **common)

@@ -90,20 +90,7 @@ def layer_from_module(module: MoE | QuantizedMoE):
                            e_score_correction_bias=corr)
   if not isinstance(module, QuantizedMoE):
     raise TypeError(f"expected MoE or QuantizedMoE, got {type(module).__name__}")
-  w = module.canonical_int4()
-  host = lambda a: None if a is None else np.asarray(a)
-  g13 = None
-  if w.w13_perm is not None:
-    # Back to natural input order: position perm[j] holds group j // g.
-    perm = np.asarray(w.w13_perm)
-    h = spec.hidden_size
-    g = h if w.group_size == -1 else w.group_size
-    inv = np.argsort(perm, axis=-1)
-    q13 = np.take_along_axis(np.asarray(w.w13), inv[:, None, :], axis=-1)
-    g13 = (inv // g).astype(np.int32)
-  else:
-    q13 = np.asarray(w.w13)
-  return MoELayerTensors(
-      w13=q13, w2=np.asarray(w.w2), w13_scale=host(w.w13_scale), w2_scale=host(w.w2_scale),
-      group_size=w.group_size, w13_g_idx=g13, w13_bias=host(w.w13_bias),
-      w2_bias=host(w.w2_bias), router_weight=router, e_score_correction_bias=corr)
+  layer = module.canonical_int4().to_layer()
+  layer.router_weight = router
+  layer.e_score_correction_bias = corr
+  return layer

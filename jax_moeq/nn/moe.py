@@ -75,9 +75,9 @@ class MoESpec:
       if self.num_experts % self.num_expert_group:
         raise ValueError(f"num_expert_group={self.num_expert_group} does not divide num_experts="
                          f"{self.num_experts}")
-    elif self.scoring_func != "softmax" or self.e_score_correction_bias:
-      raise ValueError("scoring_func='sigmoid' and e_score_correction_bias need use_grouped_topk="
-                       "True (the DeepSeek-V3 routing path)")
+    elif self.e_score_correction_bias:
+      raise ValueError("e_score_correction_bias needs use_grouped_topk=True (the DeepSeek-V3 "
+                       "routing path)")
 
 
 def _init_expert_weights(rngs: nnx.Rngs, spec: MoESpec, param_dtype) -> dict[str, Array]:
