@@ -181,6 +181,20 @@ def test_explicit_backend_errors():
     moe(jnp.ones((2, H + 1)))
 
 
+def test_oracle_falls_back_to_reference_with_the_reason(caplog):
+  # H = 72 is not a multiple of the kernel's 16-row tiles: the oracle picks the reference and
+  # the block's log says why; asking for the kernel explicitly raises with that reason.
+  moe = MoE(E, K, 72, 48, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  with caplog.at_level(logging.INFO, logger="jax_moeq"):
+    q = QuantizedMoE.from_float(moe, group_size=-1)
+  assert q.backend == "reference"
+  assert "H=72 and I=48 must be multiples of 16" in caplog.text
+  x = jax.random.normal(jax.random.key(1), (3, 72), jnp.float32)
+  assert rel(q(x), moe(x)) <= 0.25  # int4 noise bound (module docstring)
+  with pytest.raises(ValueError, match="CPU_INT4.*multiples of 16"):
+    QuantizedMoE.from_float(moe, group_size=-1, moe_backend="cpu_int4")
+
+
 def test_quantized_weights_are_state_not_params_and_jit():
   moe = MoE(E, K, H, I, dtype=jnp.float32, rngs=nnx.Rngs(13))
   q = QuantizedMoE.from_float(moe, group_size=32)

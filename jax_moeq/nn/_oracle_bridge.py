@@ -11,59 +11,62 @@ import jax.numpy as jnp
 
 from jax_moeq.nn._backends import ACTIVATION_KIND, CPU_INT4, REFERENCE, BackendChoice
 
-W4A8_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-W4A8_GROUP_SIZES = (32, 64, 128, -1)
+def _moe_config(spec, dtype, moe_backend: str):
+  """The oracle's MoEConfig for a block. The block routes itself (`select_experts`) and hands the
+  op top-k ids, so the experts perform no routing: routing_method is Default."""
+  from jax_moeq.oracle import base
+  return base.MoEConfig(
+      num_experts=spec.num_experts, top_k=spec.top_k, hidden_size=spec.hidden_size,
+      intermediate_size=spec.intermediate_size, activation=spec.activation,
+      apply_router_weight_on_input=spec.apply_router_weight_on_input,
+      routing_method=base.RoutingMethodType.Default, has_bias=spec.use_bias, in_dtype=dtype,
+      moe_backend=moe_backend)
 
 
-def _w4a8_kernel_fit(spec, group_size: int, dtype) -> tuple[bool, str]:
-  """Whether the CPU W4A8 kernel can run this block, and why not."""
-  if jax.default_backend() != "cpu":
-    return False, f"the W4A8 kernel runs on CPU, the default platform is {jax.default_backend()}"
-  from jax_moeq import _ffi
-  if not _ffi.cpu_library_available():
-    return False, "the CPU library (jax_moeq._cpu_ffi) is not built"
-  h, i = spec.hidden_size, spec.intermediate_size
-  if h % 16 or i % 16:
-    return False, f"H={h} and I={i} must be multiples of 16"
-  if group_size not in W4A8_GROUP_SIZES:
-    return False, f"group_size={group_size} is not one of {W4A8_GROUP_SIZES}"
-  if group_size != -1 and (h % group_size or i % group_size):
-    return False, f"group_size={group_size} does not divide H={h} and I={i}"
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in W4A8_KERNEL_DTYPES]:
-    return False, f"activation dtype {jnp.dtype(dtype).name} is not float32/bfloat16/float16"
-  return True, "CPU W4A8 kernel fits (int4 weights, dynamic per-token int8 activations)"
+def _w4a8_oracle(spec, group_size: int, dtype, moe_backend: str) -> tuple[str, str]:
+  """Asks the W4A8 Int8 oracle; returns (our backend name, the reason)."""
+  from jax_moeq.oracle import base, w4a8_int8
+  config = _moe_config(spec, dtype, moe_backend)
+  weight_key = base.w4a8_weight_key(group_size)
+  backend, experts_cls = w4a8_int8.select_w4a8_int8_moe_backend(config, weight_key, None)
+  if backend == w4a8_int8.W4A8Int8MoeBackend.CPU_INT4:
+    return CPU_INT4, f"the W4A8 Int8 oracle chose {backend.value} ({experts_cls.__name__})"
+  if moe_backend != "auto":
+    return REFERENCE, f"moe_backend={moe_backend!r} was requested"
+  # Why the kernel was passed over: the kernel class's own reason.
+  fast = w4a8_int8.backend_to_kernel_cls(w4a8_int8.W4A8Int8MoeBackend.CPU_INT4)[0]
+  _, why = fast.is_supported_config(config, weight_key, None)
+  return REFERENCE, (f"the W4A8 Int8 oracle chose {backend.value}: CPU_INT4 does not fit since "
+                     f"{why}")
 
 
 def choose(spec, scheme: str, group_size: int, dtype, moe_backend: str,
            allow_activation_quantization: bool) -> BackendChoice:
   """Backend for a block: explicit `moe_backend`, or the fastest that fits ("auto")."""
-  fits, why = _w4a8_kernel_fit(spec, group_size, dtype)
-  if moe_backend not in ("auto", CPU_INT4, REFERENCE):
-    return _choose_gpu(spec, scheme, group_size, dtype, moe_backend)
-  if moe_backend == REFERENCE:
-    return BackendChoice(REFERENCE, "moe_backend='reference' was requested")
+  moe_backend = str(moe_backend).strip().lower()
   if scheme == "w4a8_int8":
-    if fits:
-      return BackendChoice(CPU_INT4, why)
-    if moe_backend == CPU_INT4:
-      raise ValueError(f"moe_backend='{CPU_INT4}' does not fit: {why}")
-    return BackendChoice(REFERENCE, f"no faster backend fits ({why}); using the jnp reference")
-  # wna16 / mxint4: weight-only schemes.
-  if jax.default_backend() == "gpu" and moe_backend == "auto":
+    backend, reason = _w4a8_oracle(spec, group_size, dtype, moe_backend)
+    return BackendChoice(backend, reason)
+  # wna16 / mxint4: weight-only schemes; their GPU kernels come from their own oracles.
+  if moe_backend not in ("auto", CPU_INT4, "cpu", REFERENCE, "jnp"):
     return _choose_gpu(spec, scheme, group_size, dtype, moe_backend)
-  if allow_activation_quantization and fits:
-    return BackendChoice(CPU_INT4, f"{scheme} weights converted for the CPU W4A8 kernel: "
-                         "activation quantization was allowed; " + why, via_w4a8=True)
-  if moe_backend == CPU_INT4:
-    if not allow_activation_quantization:
-      raise ValueError(f"moe_backend='{CPU_INT4}' quantizes activations to int8, which a {scheme} "
-                       "block does not do unless allow_activation_quantization=True")
-    raise ValueError(f"moe_backend='{CPU_INT4}' does not fit: {why}")
-  reason = (f"no {scheme} kernel on {jax.default_backend()}; " +
-            ("the W4A8 kernel does not fit (" + why + ")" if allow_activation_quantization else
-             "the W4A8 CPU kernel would quantize activations to int8 "
-             "(allow_activation_quantization=True allows it)") + "; using the jnp reference")
-  return BackendChoice(REFERENCE, reason)
+  if moe_backend == "auto" and jax.default_backend() == "gpu":
+    return _choose_gpu(spec, scheme, group_size, dtype, moe_backend)
+  if moe_backend in (REFERENCE, "jnp"):
+    return BackendChoice(REFERENCE, f"moe_backend={moe_backend!r} was requested")
+  if not allow_activation_quantization:
+    if moe_backend != "auto":
+      raise ValueError(f"moe_backend={moe_backend!r} (the CPU W4A8 kernel) quantizes activations "
+                       f"to int8, which a {scheme} block does not do unless "
+                       "allow_activation_quantization=True")
+    return BackendChoice(REFERENCE, f"no {scheme} kernel on {jax.default_backend()}; the CPU W4A8 "
+                         "kernel would quantize activations to int8 (allow_activation_quantization"
+                         "=True allows it); using the jnp reference")
+  # Activation quantization allowed: the int4 data runs as W4A8 (same oracle, same rules).
+  backend, reason = _w4a8_oracle(spec, group_size, dtype,
+                                 "auto" if moe_backend == "auto" else CPU_INT4)
+  return BackendChoice(backend, f"{scheme} weights converted for the W4A8 kernel since activation "
+                       f"quantization was allowed; {reason}", via_w4a8=backend == CPU_INT4)
 
 
 def _choose_gpu(spec, scheme, group_size, dtype, moe_backend) -> BackendChoice:
