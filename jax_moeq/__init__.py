@@ -6,6 +6,9 @@ __version__ = "0.1.0"
 from jax_moeq.ops.w4a8_cpu import convert_to_w4a8_int8_moe_format, dynamic_4bit_int_moe
 
 # Quantization, routing, reference (helper-1).
+from jax_moeq.quant.int4 import dequantize_int4, quantize_int4
+from jax_moeq.routing import RoutingMethodType, select_experts
+from jax_moeq import reference
 
 # Oracle, weights, fused_moe (helper-2).
 

@@ -54,6 +54,16 @@ def round_to_dtype(v: Array, dtype) -> Array:
   raise TypeError(f"cannot round to {dtype}; expected float32, bfloat16 or float16")
 
 
+def _exact_divide(a: Array, b) -> Array:
+  """a / b correctly rounded in float32. XLA rewrites division by a broadcast or a constant into
+  a multiplication by the reciprocal (an ulp off, enough to flip an int8 rounding); hiding the
+  divisor behind an optimization barrier keeps the true division."""
+  a = jnp.asarray(a, jnp.float32)
+  shape = jnp.broadcast_shapes(a.shape, jnp.shape(b))
+  b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), shape))
+  return a / b
+
+
 def _check_float_dtype(name: str, dtype) -> None:
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(dtype).name}")
@@ -81,8 +91,8 @@ def quantize_activations_int8(x: Array) -> tuple[Array, Array, Array]:
   rmin = jnp.minimum(jnp.min(x, axis=-1), 0.0)
   rmax = jnp.maximum(jnp.max(x, axis=-1), 0.0)
   empty = rmax == rmin
-  scale = jnp.where(empty, 0.0, (rmax - rmin) / jnp.float32(255.0))
-  inv = jnp.where(empty, 0.0, jnp.float32(1.0) / jnp.where(empty, 1.0, scale))
+  scale = jnp.where(empty, 0.0, _exact_divide(rmax - rmin, 255.0))
+  inv = jnp.where(empty, 0.0, _exact_divide(1.0, jnp.where(empty, 1.0, scale)))
   min_term = jnp.float32(-128.0) + rmin * inv
   max_term = jnp.float32(127.0) + rmax * inv
   zp = jnp.where(min_term + max_term > 0.0, jnp.float32(-128.0) - rmin * inv,

@@ -33,7 +33,7 @@ class RoutingMethodType(enum.IntEnum):
   RenormalizeNaive = 4  # softmax -> top-k -> divide by the sum of the k
   TopK = 5  # top-k of logits, no softmax
   SigmoidRenorm = 6  # sigmoid -> top-k -> divide by the sum of the k
-  MiniMax2 = 7  # not implemented
+  MiniMax2 = 7  # sigmoid -> + bias -> top-k -> weights: sigmoid at the ids over their sum
   Sigmoid = 8  # sigmoid -> top-k
   Unspecified = 9
 
@@ -167,8 +167,10 @@ def route(router_logits: Array, top_k: int, routing_method: int | RoutingMethodT
   - TopK: top-k of the logits, no softmax; the weights are the chosen raw logits (float32).
   - SigmoidRenorm: sigmoid, top-k, divided by the sum of the k.
   - Sigmoid: sigmoid, top-k; the weights are the sigmoid scores.
+  - MiniMax2: sigmoid scores, top-k of scores + `e_score_correction_bias`; the weights are the
+    scores at the ids over (their sum + 1e-20), times `routed_scaling_factor` (default 1).
 
-  MiniMax2 and Unspecified raise NotImplementedError.
+  Unspecified raises NotImplementedError.
 
   Returns:
     (topk_weights float32 [T, K], topk_ids int32 [T, K]).
@@ -181,14 +183,24 @@ def route(router_logits: Array, top_k: int, routing_method: int | RoutingMethodT
   except ValueError:
     raise ValueError(f"routing_method={routing_method!r} is not a RoutingMethodType "
                      f"(0..{len(RoutingMethodType) - 1})") from None
+  biased = (RoutingMethodType.DeepSeekV3, RoutingMethodType.MiniMax2)
   if method != RoutingMethodType.DeepSeekV3:
-    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group),
-                        ("e_score_correction_bias", e_score_correction_bias)):
+    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
       if value is not None:
         raise ValueError(f"{name} is only used by RoutingMethodType.DeepSeekV3, not {method.name}")
+  if method not in biased:
+    if e_score_correction_bias is not None:
+      raise ValueError("e_score_correction_bias is only used by DeepSeekV3 and MiniMax2 routing, "
+                       f"not {method.name}")
     if routed_scaling_factor not in (None, 1.0):
       raise ValueError(f"routed_scaling_factor={routed_scaling_factor} is only used by "
-                       f"RoutingMethodType.DeepSeekV3, not {method.name}")
+                       f"DeepSeekV3 and MiniMax2 routing, not {method.name}")
+  else:
+    if e_score_correction_bias is None:
+      raise ValueError(f"{method.name} routing needs e_score_correction_bias")
+    if jnp.shape(e_score_correction_bias) != (num_experts,):
+      raise ValueError(f"e_score_correction_bias must have shape ({num_experts},), got "
+                       f"{jnp.shape(e_score_correction_bias)}")
 
   if method == RoutingMethodType.Default:
     weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
@@ -201,11 +213,6 @@ def route(router_logits: Array, top_k: int, routing_method: int | RoutingMethodT
     if (num_expert_group is None) != (topk_group is None):
       raise ValueError("DeepSeekV3 routing needs both num_expert_group and topk_group, or "
                        f"neither; got num_expert_group={num_expert_group}, topk_group={topk_group}")
-    if e_score_correction_bias is None:
-      raise ValueError("DeepSeekV3 routing needs e_score_correction_bias")
-    if jnp.shape(e_score_correction_bias) != (num_experts,):
-      raise ValueError(f"e_score_correction_bias must have shape ({num_experts},), got "
-                       f"{jnp.shape(e_score_correction_bias)}")
     _check_groups(num_experts, top_k, groups, kept, True)
     weights, ids = _grouped_topk(jax.nn.sigmoid(logits), top_k, groups, kept,
                                  e_score_correction_bias)
@@ -227,6 +234,13 @@ def route(router_logits: Array, top_k: int, routing_method: int | RoutingMethodT
     weights = _renormalize(weights)
   elif method == RoutingMethodType.Sigmoid:
     weights, ids = jax.lax.top_k(jax.nn.sigmoid(logits), top_k)
+  elif method == RoutingMethodType.MiniMax2:
+    scores = jax.nn.sigmoid(logits)
+    _, ids = jax.lax.top_k(scores + e_score_correction_bias.astype(jnp.float32), top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.float32(1e-20))
+    if routed_scaling_factor is not None:
+      weights = weights * jnp.float32(routed_scaling_factor)
   else:
     raise NotImplementedError(f"routing method {method.name} ({int(method)}) is not implemented")
   return weights.astype(jnp.float32), ids.astype(jnp.int32)

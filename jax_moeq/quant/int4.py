@@ -21,6 +21,15 @@ INT4_MIN, INT4_MAX = -8, 7
 _NIBBLE_SHIFTS = tuple(4 * j for j in range(8))
 
 
+def _exact_divide(a: Array, b: Array) -> Array:
+  """a / b correctly rounded: XLA rewrites division by a broadcast or a constant into a
+  multiplication by its reciprocal (off by an ulp), which the barrier prevents."""
+  a = jnp.asarray(a)
+  shape = jnp.broadcast_shapes(a.shape, jnp.shape(b))
+  b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), shape))
+  return a / b
+
+
 def validate_group_size(group_size: int, in_features: int, *, name: str = "group_size") -> int:
   """Checks a group size against the input size; returns the effective group."""
   if group_size not in SUPPORTED_GROUP_SIZES:
@@ -39,6 +48,7 @@ def quantize_int4(w: Array, group_size: int) -> tuple[Array, Array]:
   q = clamp(round_half_even(w / scale), -8, 7); an all-zero group gets scale 1.
   The scale is rounded to its storage dtype (bf16 for groups, f32 for
   channel-wise) *before* dividing, so q is the best fit for the stored scale.
+  Divisions are correctly rounded float32 (see `_exact_divide`), as numpy's.
 
   Args:
     w: [..., out, in] float weights.
@@ -57,8 +67,8 @@ def quantize_int4(w: Array, group_size: int) -> tuple[Array, Array]:
   groups = w.reshape(*w.shape[:-1], in_features // g, g).astype(jnp.float32)
   absmax = jnp.max(jnp.abs(groups), axis=-1)
   scale_dtype = jnp.float32 if group_size == -1 else jnp.bfloat16
-  scale = jnp.where(absmax == 0, 1.0, absmax / 7.5).astype(scale_dtype)
-  q = jnp.round(groups / scale.astype(jnp.float32)[..., None])
+  scale = jnp.where(absmax == 0, 1.0, _exact_divide(absmax, 7.5)).astype(scale_dtype)
+  q = jnp.round(_exact_divide(groups, scale.astype(jnp.float32)[..., None]))
   q = jnp.clip(q, INT4_MIN, INT4_MAX).astype(jnp.int8).reshape(w.shape)
   return q, scale
 
