@@ -281,3 +281,69 @@ def test_linen_blocks_match_nnx():
   init_vars = lq.init(jax.random.key(1), x)
   assert "w13" not in init_vars["params"] and init_vars["quantized"]["experts"]["w13_packed"].dtype == (
       jnp.uint8)
+
+
+# ------------------------------------------------------------------ act-order (GPTQ desc_act)
+def _act_order_layer(seed, w13_act_order=True):
+  from jax_moeq.loaders import MoELayerTensors
+  r = np.random.default_rng(seed)
+  g = 32
+  q13 = r.integers(-8, 8, (E, 2 * I, H)).astype(np.int8)
+  q2 = r.integers(-8, 8, (E, H, I)).astype(np.int8)
+  s13 = r.uniform(0.01, 0.03, (E, 2 * I, H // g)).astype(np.float16)
+  s2 = r.uniform(0.01, 0.03, (E, H, I // g)).astype(np.float16)
+  g13 = np.stack([r.permutation(np.arange(H) // g) for _ in range(E)]).astype(np.int32)
+  g2 = np.stack([r.permutation(np.arange(I) // g) for _ in range(E)]).astype(np.int32)
+  router = (r.normal(size=(E, H)) * 0.1).astype(np.float32)
+  return MoELayerTensors(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, group_size=g,
+                         w13_g_idx=g13 if w13_act_order else None, w2_g_idx=g2,
+                         router_weight=router)
+
+
+def _dequant(q, s, g_idx, group_size):
+  k = q.shape[-1]
+  g_idx = np.arange(k) // group_size if g_idx is None else g_idx
+  return q.astype(np.float64) * s.astype(np.float64)[:, g_idx]
+
+
+def test_gptq_act_order_block_matches_dequantized_moe():
+  from jax_moeq.nn import moe_from_checkpoint_layer
+  layer = _act_order_layer(30)
+  block = moe_from_checkpoint_layer(layer, K, scheme="wna16", dtype=jnp.float32)
+  assert block.backend == "reference"
+  x = jax.random.normal(jax.random.key(31), (5, H), jnp.float32)
+  y = block(x)
+  topk_weights, topk_ids = block.route(block.router(x))
+  w13 = np.stack([_dequant(layer.w13[e], layer.w13_scale[e], layer.w13_g_idx[e], 32)
+                  for e in range(E)])
+  w2 = np.stack([_dequant(layer.w2[e], layer.w2_scale[e], layer.w2_g_idx[e], 32)
+                 for e in range(E)])
+  # WNA16 reference in f32: weights dequantized exactly (fp16 scales, int4), f32 GEMMs.
+  assert rel(y, _numpy_moe(x, topk_ids, topk_weights, w13, w2)) <= 1e-5
+  # act-order on w13 permutes the hidden input per expert: the W4A8 kernel cannot take it.
+  with pytest.raises(ValueError, match="act-order on w13"):
+    moe_from_checkpoint_layer(layer, K, scheme="wna16", allow_activation_quantization=True,
+                              dtype=jnp.float32)
+
+
+def test_w2_act_order_folds_exactly_into_w4a8():
+  from jax_moeq import reference
+  from jax_moeq.nn import moe_from_checkpoint_layer
+  layer = _act_order_layer(32, w13_act_order=False)
+  fast = moe_from_checkpoint_layer(layer, K, scheme="wna16", allow_activation_quantization=True,
+                                   dtype=jnp.float32)
+  slow = moe_from_checkpoint_layer(layer, K, scheme="wna16", dtype=jnp.float32)
+  assert (fast.backend, slow.backend) == ("cpu_int4", "reference")
+  x = jax.random.normal(jax.random.key(33), (6, H), jnp.float32)
+  topk_weights, topk_ids = fast.route(fast.router(x))
+  # Same scheme on the folded weights (w2's input order applied to w13's gate and up rows, fp16
+  # scales rounded to bf16 as the kernel stores them): SPEC §9 f32 tolerance.
+  folded, perm = layer.sorted_by_group()
+  assert perm is None
+  want = reference.fused_moe_w4a8(
+      x, topk_ids, topk_weights, folded.w13, jnp.asarray(folded.w13_scale, jnp.bfloat16),
+      folded.w2, jnp.asarray(folded.w2_scale, jnp.bfloat16), 32)
+  assert rel(fast(x), want) <= 1e-4
+  # vs weight-only: int8 activation rounding plus fp16 -> bf16 scale rounding (2^-9 relative):
+  # the 3 % bound of test_weight_only_schemes_on_cpu.
+  assert rel(fast(x), slow(x)) <= 3e-2
