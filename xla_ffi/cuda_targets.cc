@@ -4,17 +4,23 @@
 
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCudaInto(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqMxInt4MoeCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqMxInt4MoeCudaInto(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
 const char* kTargetNames[] = {
     "jax_moeq_wna16_moe_cuda",
     "jax_moeq_wna16_moe_cuda_into",
+    "jax_moeq_mxint4_moe_cuda",
+    "jax_moeq_mxint4_moe_cuda_into",
 };
 
 void* kTargetHandlers[] = {
     reinterpret_cast<void*>(&JaxMoeqWna16MoeCuda),
     reinterpret_cast<void*>(&JaxMoeqWna16MoeCudaInto),
+    reinterpret_cast<void*>(&JaxMoeqMxInt4MoeCuda),
+    reinterpret_cast<void*>(&JaxMoeqMxInt4MoeCudaInto),
 };
 
 static_assert(sizeof(kTargetNames) / sizeof(kTargetNames[0]) ==

@@ -1,0 +1,234 @@
+// GPU MxInt4 fused MoE launchers: routing (mxint4_routing.cu) -> alignment of
+// this rank's (token, slot) pairs to expert blocks -> GEMM1 + SwiGLU -> GEMM2
+// -> top-k weighting and reduction over k. The GEMMs are the shared int4 core
+// (moe_int4_gemm.cuh) with signed nibbles and bf16 scales per 32 inputs.
+#include <algorithm>
+
+#include "cuda/moe_int4_gemm.cuh"
+#include "cuda/mxint4_moe.h"
+
+namespace jax_moeq::cuda {
+namespace {
+
+using Bf16 = __nv_bfloat16;
+constexpr int kWarpsPerCta = 4;
+constexpr int kGroupSize = 32;
+
+// GEMM1 finalize after split-K: act[id][n] = round(silu(round(g)) * round(u)).
+__global__ void MxInt4Finalize13Kernel(const float* ws, const int32_t* local_ids, int inter,
+                                       int rows, void* act) {
+  const int id = blockIdx.x;
+  const int n = blockIdx.y * blockDim.x + threadIdx.x;
+  if (id >= rows || n >= inter || local_ids[id] < 0) return;
+  const float gate = ws[static_cast<int64_t>(id) * 2 * inter + n];
+  const float up = ws[static_cast<int64_t>(id) * 2 * inter + inter + n];
+  const float a = RoundTo<Bf16>(ApplyActivation(0, RoundTo<Bf16>(gate), RoundTo<Bf16>(up)));
+  StoreHalf<Bf16>(act, static_cast<int64_t>(id) * inter + n, a);
+}
+
+// out[t][n] = round(sum_k round(ws2[t*K+k][n] * w[t][k])) over this rank's
+// pairs (f32 sum in slot order); a token with none gets 0.
+__global__ void MxInt4FinalizeKernel(const float* ws, const int32_t* local_ids,
+                                     const float* topk_weights, int top_k, int hidden, int tokens,
+                                     void* out) {
+  const int t = blockIdx.x;
+  const int n = blockIdx.y * blockDim.x + threadIdx.x;
+  if (t >= tokens || n >= hidden) return;
+  float sum = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    const int pair = t * top_k + k;
+    if (local_ids[pair] < 0) continue;
+    sum += RoundTo<Bf16>(ws[static_cast<int64_t>(pair) * hidden + n] * topk_weights[pair]);
+  }
+  StoreHalf<Bf16>(out, static_cast<int64_t>(t) * hidden + n, sum);
+}
+
+std::string CudaError(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return "";
+  return std::string(what) + ": " + cudaGetErrorString(err);
+}
+
+template <int MT>
+void LaunchGemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  const dim3 grid(max_blocks, (args.units + kWarpsPerCta - 1) / kWarpsPerCta, args.splits);
+  MoeInt4GemmKernel<Bf16, NibbleCode::kSignedInt4, MT>
+      <<<grid, kWarpsPerCta * 32, 0, stream>>>(args);
+}
+
+void LaunchGemmForBlock(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  switch (args.block_m) {
+    case 8: LaunchGemm<1>(args, max_blocks, stream); break;
+    case 16: LaunchGemm<2>(args, max_blocks, stream); break;
+    default: LaunchGemm<4>(args, max_blocks, stream); break;
+  }
+}
+
+bool IsSupportedRouting(int method) {
+  switch (static_cast<MxInt4Routing>(method)) {
+    case MxInt4Routing::kDefault:
+    case MxInt4Routing::kRenormalize:
+    case MxInt4Routing::kDeepSeekV3:
+    case MxInt4Routing::kLlama4:
+    case MxInt4Routing::kRenormalizeNaive:
+    case MxInt4Routing::kTopK:
+    case MxInt4Routing::kSigmoidRenorm:
+    case MxInt4Routing::kSigmoid: return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int64_t MxInt4MoeMaxPadded(const MxInt4MoeProblem& p) {
+  const int64_t bm = p.block_m;
+  const int64_t pairs = p.tokens * p.top_k;
+  const int64_t padded = pairs + std::min(pairs, p.local_experts) * (bm - 1);
+  return std::max<int64_t>(bm, (padded + bm - 1) / bm * bm);
+}
+
+int64_t MxInt4MoeMaxBlocks(const MxInt4MoeProblem& p) { return MxInt4MoeMaxPadded(p) / p.block_m; }
+
+std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
+  if (p.tokens < 0) return "tokens must be >= 0";
+  if (p.num_experts < 1 || p.num_experts > kMxInt4MaxExperts) {
+    return "num_experts must be in [1, " + std::to_string(kMxInt4MaxExperts) + "]";
+  }
+  if (p.top_k < 1 || p.top_k > std::min<int64_t>(kMxInt4MaxTopK, p.num_experts)) {
+    return "top_k must be in [1, min(32, num_experts)]";
+  }
+  if (p.local_experts < 1 || p.local_offset < 0 ||
+      p.local_offset + p.local_experts > p.num_experts) {
+    return "local experts [offset, offset + local_num_experts) must lie in [0, num_experts)";
+  }
+  if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
+  if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
+    return "intermediate size must be a positive multiple of 64";
+  }
+  if (!IsSupportedRouting(p.routing_method)) {
+    return "routing_method " + std::to_string(p.routing_method) +
+           " is not supported (0-6 and 8 are)";
+  }
+  const auto method = static_cast<MxInt4Routing>(p.routing_method);
+  if (method == MxInt4Routing::kLlama4 && p.top_k != 1) return "Llama4 routing needs top_k == 1";
+  if (method == MxInt4Routing::kDeepSeekV3) {
+    if (p.bias == nullptr) return "DeepSeekV3 routing needs e_score_correction_bias";
+    const int64_t g = p.num_expert_group;
+    if (g < 1 || g > kMxInt4MaxGroups || p.num_experts % g != 0) {
+      return "num_expert_group must be in [1, 32] and divide num_experts";
+    }
+    if (p.topk_group < 1 || p.topk_group > g) return "topk_group must be in [1, num_expert_group]";
+    if (g > 1 && p.num_experts / g < 2) return "groups need at least 2 experts (top-2 sum)";
+    if (p.top_k > p.topk_group * (p.num_experts / g)) {
+      return "top_k exceeds the experts of the kept groups";
+    }
+  }
+  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32) return "block_m must be 8, 16 or 32";
+  if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
+  if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
+    return "problem too large for 32-bit row indexing";
+  }
+  return "";
+}
+
+std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
+  std::string err = ValidateMxInt4MoeProblem(p);
+  if (!err.empty()) return err;
+  if (p.tokens == 0) return "";
+  const int rows = static_cast<int>(p.tokens * p.top_k);
+  const int max_padded = static_cast<int>(MxInt4MoeMaxPadded(p));
+  const int max_blocks = static_cast<int>(MxInt4MoeMaxBlocks(p));
+  const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
+  const int L = static_cast<int>(p.local_experts);
+
+  // 1. Routing.
+  err = RunMxInt4Routing(p, stream);
+  if (!err.empty()) return err;
+
+  // 2. This rank's pairs to expert blocks (local id -1: dropped).
+  AlignStandardKernel<<<1, 1024, 2 * L * sizeof(int32_t), stream>>>(
+      p.local_ids, rows, L, p.block_m, max_padded, max_blocks, p.sorted_ids, p.expert_ids,
+      p.num_post_padded);
+  err = CudaError("alignment kernel");
+  if (!err.empty()) return err;
+
+  // 3. GEMM1 (+ SwiGLU in the epilogue unless split).
+  MoeGemmArgs g1;
+  g1.x = p.x;
+  g1.ld_x = H;
+  g1.in_div = static_cast<int>(p.top_k);
+  g1.sorted_ids = p.sorted_ids;
+  g1.expert_ids = p.expert_ids;
+  g1.num_post_padded = p.num_post_padded;
+  g1.num_rows = rows;
+  g1.block_m = p.block_m;
+  g1.w = static_cast<const uint4*>(p.w13);
+  g1.scales = static_cast<const uint32_t*>(p.s13);
+  g1.zeros = nullptr;
+  g1.n = 2 * I;
+  g1.k = H;
+  g1.groups = H / kGroupSize;
+  g1.units = I / 16;
+  g1.unit_mult = 1;
+  g1.sub_stride = I / 16;
+  g1.splits = p.split13;
+  g1.chunks_per_split = (H / 64 + p.split13 - 1) / p.split13;
+  g1.bias = nullptr;
+  g1.activation = 0;
+  g1.act = p.act;
+  g1.act_col = nullptr;
+  if (p.split13 > 1) {
+    g1.epilogue = EpilogueKind::kF32Store;
+    g1.ws = p.ws13;
+    if (cudaMemsetAsync(p.ws13, 0, static_cast<size_t>(rows) * 2 * I * sizeof(float), stream) !=
+        cudaSuccess) {
+      return CudaError("memset ws13");
+    }
+  } else {
+    g1.epilogue = EpilogueKind::kActivation;
+  }
+  LaunchGemmForBlock(g1, max_blocks, stream);
+  err = CudaError("GEMM1 kernel");
+  if (!err.empty()) return err;
+  if (p.split13 > 1) {
+    const dim3 grid(rows, (I + 255) / 256);
+    MxInt4Finalize13Kernel<<<grid, 256, 0, stream>>>(p.ws13, p.local_ids, I, rows, p.act);
+    err = CudaError("GEMM1 finalize kernel");
+    if (!err.empty()) return err;
+  }
+
+  // 4. GEMM2 into f32 rows.
+  MoeGemmArgs g2 = g1;
+  g2.x = p.act;
+  g2.ld_x = I;
+  g2.in_div = 1;
+  g2.w = static_cast<const uint4*>(p.w2);
+  g2.scales = static_cast<const uint32_t*>(p.s2);
+  g2.n = H;
+  g2.k = I;
+  g2.groups = I / kGroupSize;
+  g2.units = H / 32;
+  g2.unit_mult = 2;
+  g2.sub_stride = 1;
+  g2.splits = p.split2;
+  g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
+  g2.epilogue = EpilogueKind::kF32Store;
+  g2.ws = p.ws2;
+  if (p.split2 > 1 &&
+      cudaMemsetAsync(p.ws2, 0, static_cast<size_t>(rows) * H * sizeof(float), stream) !=
+          cudaSuccess) {
+    return CudaError("memset ws2");
+  }
+  LaunchGemmForBlock(g2, max_blocks, stream);
+  err = CudaError("GEMM2 kernel");
+  if (!err.empty()) return err;
+
+  // 5. Top-k weights and reduction over k.
+  const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);
+  MxInt4FinalizeKernel<<<grid, 256, 0, stream>>>(p.ws2, p.local_ids, p.topk_weights,
+                                                 static_cast<int>(p.top_k), H,
+                                                 static_cast<int>(p.tokens), p.out);
+  return CudaError("finalize kernel");
+}
+
+}  // namespace jax_moeq::cuda

@@ -1,0 +1,223 @@
+// Routing of the MxInt4 MoE on the GPU: router logits [T, E] -> top-k expert
+// ids and weights (FlashInfer RoutingMethodType semantics, SPEC §5), plus the
+// ids local to this expert-parallel rank (-1 elsewhere) for the alignment.
+//
+// One warp per token. Lane l owns experts l + 32 j (j < 32, so E <= 1024);
+// the token's scores live in shared memory, and a per-lane bit mask marks the
+// experts already chosen or outside the kept groups. Each top-k round is a
+// warp argmax with ties going to the lower index, as jax.lax.top_k.
+#include <cuda_bf16.h>
+
+#include <cfloat>
+#include <climits>
+
+#include "cuda/mxint4_moe.h"
+
+namespace jax_moeq::cuda {
+namespace {
+
+constexpr int kWarpsPerCta = 4;
+
+__device__ __forceinline__ float Sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// (value, index) of the best candidate over the warp; index INT_MAX if none.
+__device__ __forceinline__ void WarpBest(float& value, int& index) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, value, offset);
+    const int oi = __shfl_xor_sync(0xffffffffu, index, offset);
+    const bool better =
+        oi != INT_MAX && (index == INT_MAX || ov > value || (ov == value && oi < index));
+    if (better) {
+      value = ov;
+      index = oi;
+    }
+  }
+}
+
+// Best not-excluded expert of vals[0, E) for the whole warp.
+__device__ __forceinline__ int WarpArgmax(const float* vals, int experts, uint32_t excluded,
+                                          int lane) {
+  float best = -FLT_MAX;
+  int index = INT_MAX;
+  for (int j = 0; lane + 32 * j < experts; ++j) {
+    if ((excluded >> j) & 1u) continue;
+    const int i = lane + 32 * j;
+    const float v = vals[i];
+    if (index == INT_MAX || v > best) {  // increasing i: ties keep the lower index
+      best = v;
+      index = i;
+    }
+  }
+  WarpBest(best, index);
+  return index;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+struct RoutingArgs {
+  const void* logits;
+  bool logits_bf16;
+  const float* bias;
+  int tokens, experts, top_k, method, groups, topk_group;
+  float scale;
+  int local_offset, local_experts;
+  int32_t* topk_ids;
+  float* topk_weights;
+  int32_t* local_ids;
+};
+
+__global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(RoutingArgs a) {
+  extern __shared__ float shared[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * kWarpsPerCta + warp;
+  if (t >= a.tokens) return;  // whole warps exit together
+  const int E = a.experts;
+  float* score = shared + static_cast<size_t>(warp) * (2 * E + kMxInt4MaxTopK);
+  float* choice = score + E;  // the values top-k is taken over
+  int* chosen = reinterpret_cast<int*>(choice + E);
+
+  // 1. Logits (f32) -> score (the weights' source) and choice.
+  for (int i = lane; i < E; i += 32) {
+    const int64_t at = static_cast<int64_t>(t) * E + i;
+    score[i] = a.logits_bf16
+                   ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.logits)[at])
+                   : reinterpret_cast<const float*>(a.logits)[at];
+  }
+  __syncwarp();
+  const auto method = static_cast<MxInt4Routing>(a.method);
+  if (method == MxInt4Routing::kDefault || method == MxInt4Routing::kRenormalizeNaive) {
+    float m = -FLT_MAX;
+    for (int i = lane; i < E; i += 32) m = fmaxf(m, score[i]);
+    m = WarpMax(m);
+    float s = 0.0f;
+    for (int i = lane; i < E; i += 32) {
+      const float e = expf(score[i] - m);
+      score[i] = e;
+      s += e;
+    }
+    s = WarpSum(s);
+    for (int i = lane; i < E; i += 32) score[i] = score[i] / s;
+  } else if (method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kSigmoidRenorm ||
+             method == MxInt4Routing::kSigmoid) {
+    for (int i = lane; i < E; i += 32) score[i] = Sigmoid(score[i]);
+  }
+  for (int i = lane; i < E; i += 32) {
+    choice[i] = score[i] + (method == MxInt4Routing::kDeepSeekV3 ? a.bias[i] : 0.0f);
+  }
+  __syncwarp();
+
+  // 2. Groups (DeepSeekV3): keep the topk_group groups with the best top-2 sums.
+  uint32_t excluded = 0;
+  if (method == MxInt4Routing::kDeepSeekV3 && a.groups > 1) {
+    const int per_group = E / a.groups;
+    float group_score = -FLT_MAX;
+    int group_index = INT_MAX;
+    if (lane < a.groups) {
+      float b1 = -FLT_MAX, b2 = -FLT_MAX;
+      for (int i = lane * per_group; i < (lane + 1) * per_group; ++i) {
+        const float v = choice[i];
+        if (v > b1) {
+          b2 = b1;
+          b1 = v;
+        } else if (v > b2) {
+          b2 = v;
+        }
+      }
+      group_score = b1 + b2;
+      group_index = lane;
+    }
+    uint32_t kept = 0;
+    for (int r = 0; r < a.topk_group; ++r) {
+      float v = group_score;
+      int gi = ((kept >> lane) & 1u) ? INT_MAX : group_index;
+      WarpBest(v, gi);
+      kept |= 1u << gi;
+    }
+    for (int j = 0; lane + 32 * j < E; ++j) {
+      if (!((kept >> ((lane + 32 * j) / per_group)) & 1u)) excluded |= 1u << j;
+    }
+  }
+
+  // 3. Top-k rounds.
+  for (int r = 0; r < a.top_k; ++r) {
+    const int best = WarpArgmax(choice, E, excluded, lane);
+    if ((best & 31) == lane) excluded |= 1u << (best >> 5);
+    if (lane == 0) chosen[r] = best;
+  }
+  __syncwarp();
+
+  // 4. Weights, by lane 0 (k is small).
+  if (lane != 0) return;
+  const int K = a.top_k;
+  float norm = 1.0f, top = 0.0f;
+  if (method == MxInt4Routing::kRenormalize) {
+    top = score[chosen[0]];  // the largest chosen logit
+    norm = 0.0f;
+    for (int k = 0; k < K; ++k) norm += expf(score[chosen[k]] - top);
+  } else if (method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kRenormalizeNaive ||
+             method == MxInt4Routing::kSigmoidRenorm) {
+    norm = 0.0f;
+    for (int k = 0; k < K; ++k) norm += score[chosen[k]];
+  }
+  for (int k = 0; k < K; ++k) {
+    const int id = chosen[k];
+    const float s = score[id];
+    float w;
+    switch (method) {
+      case MxInt4Routing::kRenormalize: w = expf(s - top) / norm; break;
+      case MxInt4Routing::kDeepSeekV3: w = s / norm * a.scale; break;
+      case MxInt4Routing::kLlama4: w = Sigmoid(s); break;
+      case MxInt4Routing::kRenormalizeNaive:
+      case MxInt4Routing::kSigmoidRenorm: w = s / norm; break;
+      default: w = s; break;  // Default (softmax prob.), TopK (logit), Sigmoid
+    }
+    const int64_t at = static_cast<int64_t>(t) * K + k;
+    a.topk_ids[at] = id;
+    a.topk_weights[at] = w;
+    const int local = id - a.local_offset;
+    a.local_ids[at] = (local >= 0 && local < a.local_experts) ? local : -1;
+  }
+}
+
+}  // namespace
+
+std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream) {
+  if (p.tokens == 0) return "";
+  RoutingArgs a;
+  a.logits = p.logits;
+  a.logits_bf16 = p.logits_bf16;
+  a.bias = p.bias;
+  a.tokens = static_cast<int>(p.tokens);
+  a.experts = static_cast<int>(p.num_experts);
+  a.top_k = static_cast<int>(p.top_k);
+  a.method = p.routing_method;
+  a.groups = p.num_expert_group;
+  a.topk_group = p.topk_group;
+  a.scale = p.routed_scaling_factor;
+  a.local_offset = static_cast<int>(p.local_offset);
+  a.local_experts = static_cast<int>(p.local_experts);
+  a.topk_ids = p.topk_ids;
+  a.topk_weights = p.topk_weights;
+  a.local_ids = p.local_ids;
+  const size_t smem = kWarpsPerCta * (2 * p.num_experts + kMxInt4MaxTopK) * sizeof(float);
+  const int blocks = static_cast<int>((p.tokens + kWarpsPerCta - 1) / kWarpsPerCta);
+  MxInt4RoutingKernel<<<blocks, kWarpsPerCta * 32, smem, stream>>>(a);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return std::string("routing kernel: ") + cudaGetErrorString(err);
+  return "";
+}
+
+}  // namespace jax_moeq::cuda

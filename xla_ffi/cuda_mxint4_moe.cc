@@ -1,0 +1,217 @@
+// FFI binding of the GPU MxInt4 fused MoE (routing inside): decode buffers
+// and attributes, validate, enqueue the launchers of csrc/cuda on XLA's stream.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/mxint4_moe.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_moeq::ffi_cuda {
+namespace {
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument("jax_moeq_mxint4_moe_cuda: " + message);
+}
+
+std::string Dims(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
+                       const char* dtype_name, std::initializer_list<int64_t> want) {
+  const auto dims = buffer.dimensions();
+  bool same = dims.size() == want.size();
+  size_t i = 0;
+  for (int64_t w : want) {
+    if (!same) break;
+    same = dims[i++] == w;
+  }
+  if (!same) {
+    std::string w = "[";
+    i = 0;
+    for (int64_t v : want) w += (i++ ? ", " : "") + std::to_string(v);
+    return Invalid(std::string(name) + " has shape " + Dims(dims) + ", expected " + w + "]");
+  }
+  if (buffer.element_type() != dtype) {
+    return Invalid(std::string(name) + " must be " + dtype_name);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckScratch(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
+                        int64_t count) {
+  if (buffer.element_type() != dtype || static_cast<int64_t>(buffer.element_count()) < count) {
+    return Invalid(std::string(name) + " scratch must hold " + std::to_string(count) +
+                   " elements of its dtype");
+  }
+  return ffi::Error::Success();
+}
+
+#define RETURN_IF_ERROR(expr)    \
+  do {                           \
+    ffi::Error _e = (expr);      \
+    if (_e.failure()) return _e; \
+  } while (0)
+
+ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits,
+                         ffi::AnyBuffer bias, ffi::AnyBuffer w13, ffi::AnyBuffer s13,
+                         ffi::AnyBuffer w2, ffi::AnyBuffer s2, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> topk_ids,
+                         ffi::Result<ffi::AnyBuffer> topk_weights,
+                         ffi::Result<ffi::AnyBuffer> local_ids,
+                         ffi::Result<ffi::AnyBuffer> sorted_ids,
+                         ffi::Result<ffi::AnyBuffer> expert_ids,
+                         ffi::Result<ffi::AnyBuffer> num_post_padded,
+                         ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> ws13,
+                         ffi::Result<ffi::AnyBuffer> ws2, int64_t top_k,
+                         int64_t intermediate_size, int64_t local_expert_offset,
+                         int64_t routing_method, int64_t num_expert_group, int64_t topk_group,
+                         float routed_scaling_factor, bool has_bias, int64_t block_m,
+                         int64_t split13, int64_t split2) {
+  cuda::MxInt4MoeProblem p;
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(xd));
+  if (x.element_type() != ffi::BF16) return Invalid("x must be bfloat16");
+  p.tokens = xd[0];
+  p.hidden = xd[1];
+  const auto ld = logits.dimensions();
+  if (ld.size() != 2 || ld[0] != p.tokens) {
+    return Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
+  }
+  if (logits.element_type() == ffi::BF16) {
+    p.logits_bf16 = true;
+  } else if (logits.element_type() != ffi::F32) {
+    return Invalid("router_logits must be float32 or bfloat16");
+  }
+  p.num_experts = ld[1];
+  const auto wd = w13.dimensions();
+  if (wd.size() != 5) return Invalid("w13 must be packed [L, 2I/16, H/64, 32, 4] uint32");
+  p.local_experts = wd[0];
+  p.local_offset = local_expert_offset;
+  p.top_k = top_k;
+  p.intermediate = intermediate_size;
+  p.routing_method = static_cast<int>(routing_method);
+  p.num_expert_group = static_cast<int>(num_expert_group);
+  p.topk_group = static_cast<int>(topk_group);
+  p.routed_scaling_factor = routed_scaling_factor;
+  p.block_m = static_cast<int>(block_m);
+  p.split13 = static_cast<int>(split13);
+  p.split2 = static_cast<int>(split2);
+  if (has_bias) {
+    RETURN_IF_ERROR(CheckBuffer("e_score_correction_bias", bias, ffi::F32, "float32",
+                                {p.num_experts}));
+    p.bias = static_cast<const float*>(bias.untyped_data());
+  }
+  std::string err = cuda::ValidateMxInt4MoeProblem(p);
+  if (!err.empty()) return Invalid(err);
+
+  const int64_t L = p.local_experts, H = p.hidden, I = p.intermediate, T = p.tokens;
+  const int64_t K = p.top_k;
+  RETURN_IF_ERROR(CheckBuffer("w13", w13, ffi::U32, "uint32", {L, 2 * I / 16, H / 64, 32, 4}));
+  RETURN_IF_ERROR(CheckBuffer("w2", w2, ffi::U32, "uint32", {L, H / 16, I / 64, 32, 4}));
+  RETURN_IF_ERROR(CheckBuffer("w13_scale", s13, ffi::BF16, "bfloat16", {L, H / 32, 2 * I / 16, 16}));
+  RETURN_IF_ERROR(CheckBuffer("w2_scale", s2, ffi::BF16, "bfloat16", {L, I / 32, H / 16, 16}));
+  RETURN_IF_ERROR(CheckBuffer("output", *out, ffi::BF16, "bfloat16", {T, H}));
+  RETURN_IF_ERROR(CheckBuffer("topk_ids", *topk_ids, ffi::S32, "int32", {T, K}));
+  RETURN_IF_ERROR(CheckBuffer("topk_weights", *topk_weights, ffi::F32, "float32", {T, K}));
+  RETURN_IF_ERROR(CheckBuffer("local_ids", *local_ids, ffi::S32, "int32", {T, K}));
+  RETURN_IF_ERROR(CheckScratch("sorted_ids", *sorted_ids, ffi::S32, cuda::MxInt4MoeMaxPadded(p)));
+  RETURN_IF_ERROR(CheckScratch("expert_ids", *expert_ids, ffi::S32, cuda::MxInt4MoeMaxBlocks(p)));
+  RETURN_IF_ERROR(CheckScratch("num_post_padded", *num_post_padded, ffi::S32, 1));
+  RETURN_IF_ERROR(CheckScratch("act", *act, ffi::BF16, T * K * I));
+  if (p.split13 > 1) RETURN_IF_ERROR(CheckScratch("ws13", *ws13, ffi::F32, T * K * 2 * I));
+  RETURN_IF_ERROR(CheckScratch("ws2", *ws2, ffi::F32, T * K * H));
+
+  p.x = x.untyped_data();
+  p.logits = logits.untyped_data();
+  p.w13 = w13.untyped_data();
+  p.s13 = s13.untyped_data();
+  p.w2 = w2.untyped_data();
+  p.s2 = s2.untyped_data();
+  p.out = out->untyped_data();
+  p.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
+  p.topk_weights = static_cast<float*>(topk_weights->untyped_data());
+  p.local_ids = static_cast<int32_t*>(local_ids->untyped_data());
+  p.sorted_ids = static_cast<int32_t*>(sorted_ids->untyped_data());
+  p.expert_ids = static_cast<int32_t*>(expert_ids->untyped_data());
+  p.num_post_padded = static_cast<int32_t*>(num_post_padded->untyped_data());
+  p.act = act->untyped_data();
+  p.ws13 = static_cast<float*>(ws13->untyped_data());
+  p.ws2 = static_cast<float*>(ws2->untyped_data());
+  err = cuda::RunMxInt4Moe(p, stream);
+  if (!err.empty()) return ffi::Error::Internal("jax_moeq_mxint4_moe_cuda: " + err);
+  return ffi::Error::Success();
+}
+
+// Same, with the output aliased to an extra input (tests poison it).
+ffi::Error MxInt4MoeIntoImpl(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits, ffi::AnyBuffer bias,
+    ffi::AnyBuffer w13, ffi::AnyBuffer s13, ffi::AnyBuffer w2, ffi::AnyBuffer s2,
+    ffi::AnyBuffer /*aliased out*/, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> topk_ids, ffi::Result<ffi::AnyBuffer> topk_weights,
+    ffi::Result<ffi::AnyBuffer> local_ids, ffi::Result<ffi::AnyBuffer> sorted_ids,
+    ffi::Result<ffi::AnyBuffer> expert_ids, ffi::Result<ffi::AnyBuffer> num_post_padded,
+    ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> ws13,
+    ffi::Result<ffi::AnyBuffer> ws2, int64_t top_k, int64_t intermediate_size,
+    int64_t local_expert_offset, int64_t routing_method, int64_t num_expert_group,
+    int64_t topk_group, float routed_scaling_factor, bool has_bias, int64_t block_m,
+    int64_t split13, int64_t split2) {
+  return MxInt4MoeImpl(stream, x, logits, bias, w13, s13, w2, s2, out, topk_ids, topk_weights,
+                       local_ids, sorted_ids, expert_ids, num_post_padded, act, ws13, ws2, top_k,
+                       intermediate_size, local_expert_offset, routing_method, num_expert_group,
+                       topk_group, routed_scaling_factor, has_bias, block_m, split13, split2);
+}
+
+auto BindArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()   // x
+      .Arg<ffi::AnyBuffer>()   // router_logits
+      .Arg<ffi::AnyBuffer>()   // e_score_correction_bias (or placeholder)
+      .Arg<ffi::AnyBuffer>()   // w13
+      .Arg<ffi::AnyBuffer>()   // w13_scale
+      .Arg<ffi::AnyBuffer>()   // w2
+      .Arg<ffi::AnyBuffer>();  // w2_scale
+}
+
+template <typename Binding>
+auto BindResultsAndAttrs(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // topk_ids
+      .template Ret<ffi::AnyBuffer>()  // topk_weights
+      .template Ret<ffi::AnyBuffer>()  // local_ids
+      .template Ret<ffi::AnyBuffer>()  // sorted_ids
+      .template Ret<ffi::AnyBuffer>()  // expert_ids
+      .template Ret<ffi::AnyBuffer>()  // num_post_padded
+      .template Ret<ffi::AnyBuffer>()  // act
+      .template Ret<ffi::AnyBuffer>()  // ws13
+      .template Ret<ffi::AnyBuffer>()  // ws2
+      .template Attr<int64_t>("top_k")
+      .template Attr<int64_t>("intermediate_size")
+      .template Attr<int64_t>("local_expert_offset")
+      .template Attr<int64_t>("routing_method")
+      .template Attr<int64_t>("num_expert_group")
+      .template Attr<int64_t>("topk_group")
+      .template Attr<float>("routed_scaling_factor")
+      .template Attr<bool>("has_bias")
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("split13")
+      .template Attr<int64_t>("split2");
+}
+
+}  // namespace
+}  // namespace jax_moeq::ffi_cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqMxInt4MoeCuda, jax_moeq::ffi_cuda::MxInt4MoeImpl,
+    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqMxInt4MoeCudaInto, jax_moeq::ffi_cuda::MxInt4MoeIntoImpl,
+    jax_moeq::ffi_cuda::BindResultsAndAttrs(
+        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()));
