@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax_moeq.experts.base import GATED_ACTIVATIONS, MoEExperts
 from jax_moeq.oracle.base import (
     W4A8_WEIGHT_KEYS, MoEActivation, MoEConfig, MoEParallelConfig, QuantKey, RoutingMethodType,
+    kInt8DynamicTokenAsym,
 )
 
 Array = jax.Array
@@ -46,7 +47,7 @@ class CPUExpertsInt4(MoEExperts):
   def _supports_quant_scheme(weight_key: QuantKey | None,
                              activation_key: QuantKey | None) -> bool:
     # Activations arrive unquantized (activation_key None) and are quantized inside the kernel.
-    return weight_key in W4A8_WEIGHT_KEYS and activation_key is None
+    return weight_key in W4A8_WEIGHT_KEYS and activation_key in (None, kInt8DynamicTokenAsym)
 
   @staticmethod
   def _supports_routing_method(routing_method: RoutingMethodType, weight_key, activation_key

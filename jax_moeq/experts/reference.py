@@ -12,7 +12,9 @@ from typing import Any
 import jax
 
 from jax_moeq.experts.base import MoEExperts
-from jax_moeq.oracle.base import W4A8_WEIGHT_KEYS, MoEActivation, QuantKey
+from jax_moeq.oracle.base import (
+    W4A8_WEIGHT_KEYS, MoEActivation, QuantKey, kInt8DynamicTokenAsym,
+)
 
 Array = jax.Array
 
@@ -29,7 +31,7 @@ class ReferenceExpertsW4A8(MoEExperts):
   @staticmethod
   def _supports_quant_scheme(weight_key: QuantKey | None,
                              activation_key: QuantKey | None) -> bool:
-    return weight_key in W4A8_WEIGHT_KEYS and activation_key is None
+    return weight_key in W4A8_WEIGHT_KEYS and activation_key in (None, kInt8DynamicTokenAsym)
 
   @classmethod
   def _unsupported_reason(cls, moe_config, weight_key, activation_key) -> str | None:

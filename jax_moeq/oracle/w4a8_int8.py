@@ -54,11 +54,7 @@ _BACKEND_NAMES = {
 
 def map_w4a8_int8_backend(moe_backend: str) -> W4A8Int8MoeBackend:
   """An explicit `moe_backend` string -> W4A8Int8MoeBackend."""
-  backend = _BACKEND_NAMES.get(str(moe_backend).strip().lower())
-  if backend is None:
-    raise ValueError(f"moe_backend={moe_backend!r} is not supported for {SCHEME_NAME} MoE. "
-                     f"Expected one of {['auto', *_BACKEND_NAMES]}.")
-  return backend
+  return base.map_backend_name(SCHEME_NAME, moe_backend, _BACKEND_NAMES)
 
 
 def select_w4a8_int8_moe_backend(config: MoEConfig, weight_key: QuantKey | None,
