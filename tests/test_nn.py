@@ -347,3 +347,26 @@ def test_w2_act_order_folds_exactly_into_w4a8():
   # vs weight-only: int8 activation rounding plus fp16 -> bf16 scale rounding (2^-9 relative):
   # the 3 % bound of test_weight_only_schemes_on_cpu.
   assert rel(fast(x), slow(x)) <= 3e-2
+
+
+# ------------------------------------------------------------------ blocks vs jax_moeq.fused_moe
+def test_blocks_match_functional_fused_moe():
+  fm = pytest.importorskip("jax_moeq.fused_moe")
+  from jax_moeq import weights as W
+  moe = MoE(E, K, H, I, use_bias=True, dtype=jnp.float32, rngs=nnx.Rngs(40))
+  _randomize_biases(moe, 41)
+  x = jax.random.normal(jax.random.key(42), (2, 5, H), jnp.float32)
+  logits = moe.router(x)
+  want = fm.fused_moe(x, logits, W.FloatMoEWeights(moe.w13[...], moe.w2[...], moe.w13_bias[...],
+                                                   moe.w2_bias[...]), top_k=K)
+  assert rel(moe(x), want) <= 1e-5  # both f32 with the same rounding points
+  q = QuantizedMoE.from_float(moe, group_size=32)
+  packed = W.W4A8PackedWeights(q.w13_packed[...], q.w2_packed[...], H, I, 32)
+  np.testing.assert_array_equal(np.asarray(q(x)),
+                                np.asarray(fm.fused_moe(x, logits, packed, top_k=K)))
+  # The block also takes jax_moeq.weights.Int4MoEWeights directly.
+  int4 = W.quantize_moe_weights(W.FloatMoEWeights(moe.w13[...], moe.w2[...], moe.w13_bias[...],
+                                                  moe.w2_bias[...]), 32)
+  q2 = QuantizedMoE(E, K, H, I, use_bias=True, group_size=32, dtype=jnp.float32, weights=int4,
+                    router_weight=moe.router.kernel[...].T)
+  np.testing.assert_array_equal(np.asarray(q2(x)), np.asarray(q(x)))

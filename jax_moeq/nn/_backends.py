@@ -55,6 +55,18 @@ class Int4Experts:
         w2_g_idx=host(self.w2_g_idx), w13_bias=host(self.w13_bias), w2_bias=host(self.w2_bias))
 
 
+def as_int4_experts(weights) -> Int4Experts:
+  """Accepts `Int4Experts` or `jax_moeq.weights.Int4MoEWeights` (w13_q / w2_q fields)."""
+  if isinstance(weights, Int4Experts):
+    return weights
+  if hasattr(weights, "w13_q") and hasattr(weights, "w2_q"):
+    return Int4Experts(weights.w13_q, weights.w2_q, weights.w13_scale, weights.w2_scale,
+                       int(weights.group_size), getattr(weights, "w13_bias", None),
+                       getattr(weights, "w2_bias", None))
+  raise TypeError(f"weights must be int4 expert weights (Int4MoEWeights), got "
+                  f"{type(weights).__name__}")
+
+
 def quantize_experts(w13: Array, w2: Array, group_size: int, scheme: str,
                      w13_bias: Array | None = None, w2_bias: Array | None = None) -> Int4Experts:
   """Round-to-nearest symmetric int4 (SPEC §2) of float expert weights."""

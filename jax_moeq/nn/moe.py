@@ -213,8 +213,11 @@ class QuantizedMoE(_MoEBase):
     allow_activation_quantization: on CPU, let "wna16"/"mxint4" weights run on the W4A8 kernel
       (activations quantized to int8 per token); without it they run on the jnp reference.
 
-  Without `weights`, random float weights are drawn from `rngs` (like `MoE`) and quantized.
-  Prefer `QuantizedMoE.from_float(moe, ...)` or `QuantizedMoE.from_checkpoint_layer(...)`.
+  `weights`: int4 experts (`jax_moeq.weights.Int4MoEWeights`, or the canonical form that
+  `canonical_int4()` returns); without them, random float weights are drawn from `rngs` (like
+  `MoE`) and quantized. `router_weight [E, H]` / `correction_bias [E]` set the router.
+  Usually built with `QuantizedMoE.from_float(moe, ...)` or
+  `jax_moeq.nn.moe_from_checkpoint_layer(...)`.
   """
 
   def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
@@ -255,6 +258,7 @@ class QuantizedMoE(_MoEBase):
       f = _init_expert_weights(rngs, self.spec, param_dtype)
       weights = _backends.quantize_experts(f["w13"], f["w2"], group_size, scheme,
                                            f.get("w13_bias"), f.get("w2_bias"))
+    weights = _backends.as_int4_experts(weights)
     self._init_router(self.spec, dtype, param_dtype, rngs, router_weight, correction_bias)
     self._check_weights(weights)
     choice = _backends.choose_backend(self.spec, scheme, group_size, dtype, moe_backend,
