@@ -73,6 +73,7 @@ bool IsSupportedRouting(int method) {
     case MxInt4Routing::kRenormalizeNaive:
     case MxInt4Routing::kTopK:
     case MxInt4Routing::kSigmoidRenorm:
+    case MxInt4Routing::kMiniMax2:
     case MxInt4Routing::kSigmoid: return true;
   }
   return false;
@@ -107,12 +108,15 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   }
   if (!IsSupportedRouting(p.routing_method)) {
     return "routing_method " + std::to_string(p.routing_method) +
-           " is not supported (0-6 and 8 are)";
+           " is not supported (0-8 are)";
   }
   const auto method = static_cast<MxInt4Routing>(p.routing_method);
   if (method == MxInt4Routing::kLlama4 && p.top_k != 1) return "Llama4 routing needs top_k == 1";
+  if ((method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kMiniMax2) &&
+      p.bias == nullptr) {
+    return "DeepSeekV3 and MiniMax2 routing need e_score_correction_bias";
+  }
   if (method == MxInt4Routing::kDeepSeekV3) {
-    if (p.bias == nullptr) return "DeepSeekV3 routing needs e_score_correction_bias";
     const int64_t g = p.num_expert_group;
     if (g < 1 || g > kMxInt4MaxGroups || p.num_experts % g != 0) {
       return "num_expert_group must be in [1, 32] and divide num_experts";

@@ -20,6 +20,7 @@ enum class MxInt4Routing : int {
   kRenormalizeNaive = 4,  // softmax -> top-k -> divide by the sum of the k
   kTopK = 5,              // top-k of logits, raw logits as weights
   kSigmoidRenorm = 6,     // sigmoid -> top-k -> divide by the sum of the k
+  kMiniMax2 = 7,          // sigmoid, top-k of (+ bias), sigmoid over (sum + 1e-20)
   kSigmoid = 8,           // sigmoid -> top-k
 };
 

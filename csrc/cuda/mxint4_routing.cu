@@ -111,12 +111,11 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
     s = WarpSum(s);
     for (int i = lane; i < E; i += 32) score[i] = score[i] / s;
   } else if (method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kSigmoidRenorm ||
-             method == MxInt4Routing::kSigmoid) {
+             method == MxInt4Routing::kSigmoid || method == MxInt4Routing::kMiniMax2) {
     for (int i = lane; i < E; i += 32) score[i] = Sigmoid(score[i]);
   }
-  for (int i = lane; i < E; i += 32) {
-    choice[i] = score[i] + (method == MxInt4Routing::kDeepSeekV3 ? a.bias[i] : 0.0f);
-  }
+  const bool biased = method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kMiniMax2;
+  for (int i = lane; i < E; i += 32) choice[i] = score[i] + (biased ? a.bias[i] : 0.0f);
   __syncwarp();
 
   // 2. Groups (DeepSeekV3): keep the topk_group groups with the best top-2 sums.
@@ -168,9 +167,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
     norm = 0.0f;
     for (int k = 0; k < K; ++k) norm += expf(score[chosen[k]] - top);
   } else if (method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kRenormalizeNaive ||
-             method == MxInt4Routing::kSigmoidRenorm) {
+             method == MxInt4Routing::kSigmoidRenorm || method == MxInt4Routing::kMiniMax2) {
     norm = 0.0f;
     for (int k = 0; k < K; ++k) norm += score[chosen[k]];
+    if (method == MxInt4Routing::kMiniMax2) norm += 1e-20f;
   }
   for (int k = 0; k < K; ++k) {
     const int id = chosen[k];
@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
     float w;
     switch (method) {
       case MxInt4Routing::kRenormalize: w = expf(s - top) / norm; break;
-      case MxInt4Routing::kDeepSeekV3: w = s / norm * a.scale; break;
+      case MxInt4Routing::kDeepSeekV3:
+      case MxInt4Routing::kMiniMax2: w = s / norm * a.scale; break;
       case MxInt4Routing::kLlama4: w = Sigmoid(s); break;
       case MxInt4Routing::kRenormalizeNaive:
       case MxInt4Routing::kSigmoidRenorm: w = s / norm; break;

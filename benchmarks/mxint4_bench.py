@@ -1,0 +1,137 @@
+"""GPU MxInt4 fused MoE benchmark (SPEC §10 GPU shapes), in the format of gpu_moe_bench.py.
+
+Per (shape, T): median time of the whole MoE layer with routing INCLUDED in the timed call
+(router logits in, Renormalize top-k on the GPU), effective bandwidth on the weight bytes of the
+experts hit (int4 weights plus their bf16 scales per 32), TFLOP/s (2·T·K·3·H·I), and ratios vs
+jax.lax.ragged_dot bf16 (routing by jax.lax.top_k inside the same jit) and torch._grouped_mm
+bf16 (ids given, when torch imports), measured in the same run. Logits rotate over several
+random sets so that repeated calls do not replay one L2-resident set of experts.
+Run: python3 benchmarks/mxint4_bench.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from jax_moeq.ops import mxint4_gpu  # noqa: E402
+from jax_moeq.routing import RoutingMethodType  # noqa: E402
+import gpu_moe_bench as peers  # noqa: E402  (ragged_dot / torch baselines, timing)
+
+SHAPES = peers.SHAPES
+TOKENS = peers.TOKENS
+LOGIT_SETS = 8
+
+
+def random_prepared(key, e, h, i):
+  """Random prepared MxInt4 weights (timing does not depend on their meaning; never zeros)."""
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  bits = lambda k, shape: jax.random.bits(k, shape, jnp.uint32)
+  s = lambda k, g, n: (jax.random.uniform(k, (e, g, n // 16, 16), jnp.float32, 0.5, 1.5) * 1e-2
+                       ).astype(jnp.bfloat16)
+  return dict(gemm1_weights=bits(k1, (e, 2 * i // 16, h // 64, 32, 4)),
+              gemm1_scales=s(k2, h // 32, 2 * i),
+              gemm2_weights=bits(k3, (e, h // 16, i // 64, 32, 4)),
+              gemm2_scales=s(k4, i // 32, h))
+
+
+def logit_sets(seed, t, e, k):
+  rng = np.random.default_rng(seed)
+  sets = []
+  for _ in range(LOGIT_SETS):
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k].astype(np.int32)
+    chosen = np.take_along_axis(logits, ids, -1)
+    w = np.exp(chosen - chosen.max(-1, keepdims=True))
+    sets.append((logits, ids, (w / w.sum(-1, keepdims=True)).astype(np.float32)))
+  return sets
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="T in {1, 64, 4096} only")
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--shapes", default=",".join(SHAPES))
+  args = ap.parse_args()
+  try:
+    import torch  # noqa: F401
+    have_torch = not args.no_torch and torch.cuda.is_available()
+  except Exception:  # pylint: disable=broad-except
+    have_torch = False
+  dev = jax.devices()[0]
+  hbm = peers.copy_bandwidth()
+  print(f"device: {dev.device_kind}; copy bandwidth (read+write) {hbm / 1e12:.2f} TB/s; "
+        f"torch: {'yes' if have_torch else 'no'}", flush=True)
+  tokens = (1, 64, 4096) if args.quick else TOKENS
+  rows = []
+  for name in args.shapes.split(","):
+    e, k, h, i = SHAPES[name]
+    prepared = random_prepared(jax.random.PRNGKey(0), e, h, i)
+    weights = [prepared[n] for n in mxint4_gpu.WEIGHT_KEYS]
+    kw = jax.random.split(jax.random.PRNGKey(1))
+    w13_bf = jax.random.normal(kw[0], (e, h, 2 * i), jnp.bfloat16) * 0.02
+    w2_bf = jax.random.normal(kw[1], (e, i, h), jnp.bfloat16) * 0.02
+    bytes_per_expert = 3 * h * i // 2 + 2 * (2 * i * (h // 32) + h * (i // 32))  # + bf16 scales
+    ours = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(
+        x, l, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
+        routing_method=RoutingMethodType.Renormalize))
+
+    def ragged_routed(x, logits, w13, w2):
+      chosen, ids = jax.lax.top_k(logits, k)
+      return peers.ragged_moe(x, ids, jax.nn.softmax(chosen, axis=-1), w13, w2)
+
+    ragged = jax.jit(ragged_routed)
+    for t in tokens:
+      sets = logit_sets(t, t, e, k)
+      x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+      dlogits = [(jnp.asarray(l),) for l, _, _ in sets]
+      experts_hit = statistics.mean(len(np.unique(ids)) for _, ids, _ in sets)
+      t_ours = peers.time_calls(lambda l: ours(x, l, *weights), dlogits)
+      t_ragged = peers.time_calls(lambda l: ragged(x, l, w13_bf, w2_bf), dlogits,
+                                  min_time=0.1, reps=3)
+      t_torch = None
+      if have_torch:
+        try:
+          t_torch = peers.torch_bench(e, k, h, i, t, [(ids, w) for _, ids, w in sets])
+        except Exception as err:  # pylint: disable=broad-except
+          print(f"torch._grouped_mm failed at {name} T={t}: {err}", flush=True)
+          have_torch = False
+      flops = 2.0 * t * k * 3 * h * i
+      row = dict(shape=name, T=t, us=t_ours * 1e6,
+                 tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
+                 hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
+                 tflops=flops / t_ours / 1e12, ragged_us=t_ragged * 1e6,
+                 x_ragged=t_ragged / t_ours,
+                 torch_us=None if t_torch is None else t_torch * 1e6,
+                 x_torch=None if t_torch is None else t_torch / t_ours)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+    del prepared, weights, w13_bf, w2_bf
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
+        f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
+  print(f"{'shape':18} {'T':>5} {'us':>9} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
+        f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
+  for r in rows:
+    tt = "n/a" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
+    xt = "n/a" if r["x_torch"] is None else f"{r['x_torch']:.2f}"
+    print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['tbps']:6.2f} {100 * r['hbm_frac']:5.0f} "
+          f"{r['tflops']:8.1f} {r['ragged_us']:10.1f} {r['x_ragged']:8.1f} {tt:>9} {xt:>7}")
+
+
+if __name__ == "__main__":
+  main()
