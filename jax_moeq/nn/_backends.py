@@ -198,6 +198,7 @@ class BackendChoice:
   backend: str
   reason: str
   via_w4a8: bool = False  # wna16 / mxint4 weights converted for the W4A8 kernel
+  dtype: Any = None  # activation dtype (GPU kernels store scales in it)
 
 
 def _platform() -> str:
@@ -208,8 +209,9 @@ def choose_backend(spec, scheme: str, group_size: int, dtype, moe_backend: str,
                    allow_activation_quantization: bool) -> BackendChoice:
   """Asks the scheme's oracle; returns the backend and the oracle's reason."""
   from jax_moeq.nn import _oracle_bridge
-  return _oracle_bridge.choose(spec, scheme, group_size, dtype, moe_backend,
-                               allow_activation_quantization)
+  choice = _oracle_bridge.choose(spec, scheme, group_size, dtype, moe_backend,
+                                 allow_activation_quantization)
+  return dataclasses.replace(choice, dtype=jnp.dtype(dtype))
 
 
 # ------------------------------------------------------------------ per-backend formats
@@ -267,7 +269,7 @@ def to_canonical(backend: str, arrays: dict[str, Array], spec, group_size: int) 
 
 
 def apply(backend: str, arrays: dict[str, Array], x: Array, topk_ids: Array, topk_weights: Array,
-          spec, scheme: str, group_size: int) -> Array:
+          spec, scheme: str, group_size: int, logits: Array | None = None) -> Array:
   """One call of the chosen backend on pre-converted arrays."""
   if backend == CPU_INT4:
     from jax_moeq.ops.w4a8_cpu import dynamic_4bit_int_moe
@@ -281,4 +283,4 @@ def apply(backend: str, arrays: dict[str, Array], x: Array, topk_ids: Array, top
     return _oracle_bridge.reference(scheme, arrays, x, topk_ids, topk_weights, spec, group_size)
   from jax_moeq.nn import _oracle_bridge
   return _oracle_bridge.apply_gpu(backend, arrays, x, topk_ids, topk_weights, spec, scheme,
-                                  group_size)
+                                  group_size, logits=logits)

@@ -69,21 +69,125 @@ def choose(spec, scheme: str, group_size: int, dtype, moe_backend: str,
                        f"quantization was allowed; {reason}", via_w4a8=backend == CPU_INT4)
 
 
+MARLIN = "marlin"
+MXINT4_GPU = "mxint4_gpu"
+GPU_BACKENDS = {"wna16": MARLIN, "mxint4": MXINT4_GPU}
+_WNA16_STATIC = ("hidden_size", "intermediate_size", "group_size13", "group_size2", "has_zeros",
+                 "has_bias", "act_order")
+
+
+def mxint4_routing_method(spec):
+  """The kernel-side routing method (SPEC §5) equal to the block's routing, or None."""
+  from jax_moeq.routing import RoutingMethodType as R
+  if spec.use_grouped_topk:
+    if spec.scoring_func == "sigmoid":
+      return R.DeepSeekV3
+    return None
+  if spec.scoring_func != "softmax" or spec.routed_scaling_factor != 1.0:
+    return None
+  # softmax -> top-k -> renormalize equals top-k -> softmax over the k (softmax is monotone).
+  return R.Renormalize if spec.renormalize else R.Default
+
+
+def _gpu_unfit(spec, scheme: str, group_size: int, dtype) -> str | None:
+  """Why the GPU kernel of `scheme` cannot run this block (None: it can)."""
+  dt = jnp.dtype(dtype)
+  if scheme == "wna16":
+    from jax_moeq.ops import wna16_gpu
+    if not wna16_gpu_available_safe(wna16_gpu.wna16_gpu_available):
+      return "no CUDA device with compute capability >= 9.0 and our CUDA library"
+    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      return f"the kernel takes bfloat16/float16 activations, not {dt.name}"
+    if spec.apply_router_weight_on_input:
+      return "the kernel applies router weights to GEMM2's output only"
+    return None
+  from jax_moeq.ops import mxint4_gpu
+  if not wna16_gpu_available_safe(mxint4_gpu.is_mxint4_moe_available):
+    return "no CUDA device with compute capability >= 9.0 and our CUDA library"
+  if dt != jnp.dtype(jnp.bfloat16):
+    return f"the kernel takes bfloat16 activations, not {dt.name}"
+  if spec.activation != "silu" or spec.use_bias or spec.apply_router_weight_on_input:
+    return "the kernel runs SwiGLU without biases, router weights on the output"
+  if spec.hidden_size % 64 or spec.intermediate_size % 64:
+    return "the kernel needs H and I multiples of 64"
+  if spec.top_k > 32 or mxint4_routing_method(spec) is None:
+    return "the block's routing has no kernel-side routing method (or top_k > 32)"
+  return None
+
+
+def wna16_gpu_available_safe(check) -> bool:
+  try:
+    return bool(check())
+  except Exception:  # no CUDA runtime at all
+    return False
+
+
 def _choose_gpu(spec, scheme, group_size, dtype, moe_backend) -> BackendChoice:
-  raise ValueError(f"moe_backend={moe_backend!r} is not available for scheme={scheme!r} on "
-                   f"{jax.default_backend()} (GPU backends need the CUDA library and a GPU)")
+  if scheme not in GPU_BACKENDS or moe_backend not in ("auto", GPU_BACKENDS.get(scheme)):
+    raise ValueError(f"moe_backend={moe_backend!r} is not a backend of scheme={scheme!r} (expected "
+                     f"'auto', {GPU_BACKENDS.get(scheme)!r}, 'cpu_int4' or 'reference')")
+  why = _gpu_unfit(spec, scheme, group_size, dtype)
+  name = GPU_BACKENDS[scheme]
+  if why is None:
+    return BackendChoice(name, f"the {scheme} GPU kernel ({name}) fits")
+  if moe_backend != "auto":
+    raise ValueError(f"{scheme} MoE backend {name} does not support the deployment configuration "
+                     f"since {why}.")
+  return BackendChoice(REFERENCE, f"{name} does not fit since {why}; using the jnp reference")
 
 
 def prepare_gpu(choice, weights, spec):
-  raise NotImplementedError(f"backend {choice.backend!r} has no converter here")
+  """Canonical int4 -> the GPU kernel's arrays (once, at construction)."""
+  from jax_moeq.quant import int4
+  if choice.backend == MARLIN:
+    from jax_moeq.ops import wna16_gpu
+    packed = wna16_gpu.convert_to_wna16_moe_kernel_format(
+        "MARLIN", int4.pack_uint4b8_gptq(jnp.asarray(weights.w13)),
+        int4.pack_uint4b8_gptq(jnp.asarray(weights.w2)),
+        jnp.swapaxes(jnp.asarray(weights.w13_scale), -1, -2),
+        jnp.swapaxes(jnp.asarray(weights.w2_scale), -1, -2), group_size=weights.group_size,
+        w13_g_idx=weights.w13_g_idx, w2_g_idx=weights.w2_g_idx, w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias, dtype=choice.dtype)
+    # The static fields are recomputed from the block at call time (see apply_gpu).
+    return {f: getattr(packed, f) for f in packed.__dataclass_fields__ if f not in _WNA16_STATIC}
+  if choice.backend == MXINT4_GPU:
+    from jax_moeq.ops import mxint4_gpu
+    if weights.w13_g_idx is not None or weights.w2_g_idx is not None:
+      raise ValueError("MxInt4 weights have no act-order (g_idx)")
+    return mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+        mxint4_gpu.int8_to_signed_nibbles(jnp.asarray(weights.w13)),
+        jnp.asarray(weights.w13_scale, jnp.bfloat16),
+        mxint4_gpu.int8_to_signed_nibbles(jnp.asarray(weights.w2)),
+        jnp.asarray(weights.w2_scale, jnp.bfloat16))
+  raise NotImplementedError(f"backend {choice.backend!r} has no converter")
 
 
-def apply_gpu(backend, arrays, x, topk_ids, topk_weights, spec, scheme, group_size):
+def apply_gpu(backend, arrays, x, topk_ids, topk_weights, spec, scheme, group_size, logits=None):
+  if backend == MARLIN:
+    from jax_moeq.ops import wna16_gpu
+    h, i = spec.hidden_size, spec.intermediate_size
+    weights = wna16_gpu.Wna16MoeWeights(
+        **arrays, hidden_size=h, intermediate_size=i,
+        group_size13=h if group_size == -1 else group_size,
+        group_size2=i if group_size == -1 else group_size, has_zeros=False,
+        has_bias=spec.use_bias, act_order=arrays["w13_perm"].ndim == 2)  # [1] placeholder if not
+    return wna16_gpu.fused_marlin_moe(x, weights, topk_weights, topk_ids,
+                                      activation_kind=ACTIVATION_KIND[spec.activation])
+  if backend == MXINT4_GPU:
+    from jax_moeq.ops import mxint4_gpu
+    return mxint4_gpu.mxint4_moe(
+        x, logits, arrays["gemm1_weights"], arrays["gemm1_scales"], arrays["gemm2_weights"],
+        arrays["gemm2_scales"], num_experts=spec.num_experts, top_k=spec.top_k,
+        intermediate_size=spec.intermediate_size, local_num_experts=spec.num_experts,
+        num_expert_group=spec.num_expert_group, topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling_factor if spec.use_grouped_topk else None,
+        routing_method=mxint4_routing_method(spec))
   raise NotImplementedError(f"backend {backend!r} is not wired")
 
 
 def to_canonical_gpu(backend, arrays, spec, group_size):
-  raise NotImplementedError(f"backend {backend!r} has no inverse conversion here")
+  raise NotImplementedError(f"exporting weights from backend {backend!r} is not supported; build "
+                            "the block with moe_backend='reference' to export")
 
 
 def reference(scheme: str, arrays, x, topk_ids, topk_weights, spec, group_size: int):

@@ -81,7 +81,7 @@ class _LinenMoEBase(nn.Module):
         use_grouped_topk=spec.use_grouped_topk, num_expert_group=spec.num_expert_group,
         topk_group=spec.topk_group, e_score_correction_bias=bias,
         routed_scaling_factor=spec.routed_scaling_factor)
-    return tokens, topk_weights, topk_ids, lead
+    return tokens, logits, topk_weights, topk_ids, lead
 
 
 class MoE(_LinenMoEBase):
@@ -91,7 +91,8 @@ class MoE(_LinenMoEBase):
   def __call__(self, x, router_logits=None):
     spec = self.spec
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    tokens, topk_weights, topk_ids, lead = self._tokens_and_routing(spec, x, router_logits)
+    tokens, logits, topk_weights, topk_ids, lead = self._tokens_and_routing(spec, x,
+                                                                          router_logits)
     w13 = self.param("w13", _expert_init(), (e, 2 * i, h), self.param_dtype)
     w2 = self.param("w2", _expert_init(), (e, h, i), self.param_dtype)
     b13 = b2 = None
@@ -134,11 +135,12 @@ class QuantizedMoE(_LinenMoEBase):
   def __call__(self, x, router_logits=None):
     spec = self.spec
     choice = self._choice(spec)
-    tokens, topk_weights, topk_ids, lead = self._tokens_and_routing(spec, x, router_logits)
+    tokens, logits, topk_weights, topk_ids, lead = self._tokens_and_routing(spec, x,
+                                                                          router_logits)
     arrays = self.variable(QUANTIZED_COLLECTION, "experts",
                            lambda: self._random_arrays(spec, choice)).value
     y = _backends.apply(choice.backend, arrays, tokens, topk_ids, topk_weights, spec,
-                        self.scheme, self.group_size)
+                        self.scheme, self.group_size, logits=logits)
     return y.reshape(*lead, spec.hidden_size)
 
   def quantize_variables(self, float_variables) -> dict:

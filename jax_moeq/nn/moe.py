@@ -290,7 +290,7 @@ class QuantizedMoE(_MoEBase):
     topk_weights, topk_ids = self.route(logits)
     arrays = {k: getattr(self, k)[...] for k in self.quantized_names}
     y = _backends.apply(self.backend, arrays, tokens, topk_ids, topk_weights, self.spec,
-                        self.scheme, self.group_size)
+                        self.scheme, self.group_size, logits=logits)
     return y.reshape(*lead, self.spec.hidden_size)
 
   def canonical_int4(self) -> "_backends.Int4Experts":
