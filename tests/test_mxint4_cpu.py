@@ -243,3 +243,51 @@ def test_expert_parallel_reference_ranks_sum_to_full(ranks):
   rel = np.linalg.norm(np.asarray(total) - np.asarray(full, np.float32)) / np.linalg.norm(
       np.asarray(full, np.float32))
   assert rel <= 1e-2  # each rank's partial sum is rounded to bf16 once
+
+
+# ------------------------------------------------------------------ oracle
+def test_oracle_selection_on_cpu_and_explicit_gpu_backend():
+  from jax_moeq.oracle import base, mxint4 as oracle
+  from jax_moeq.experts.mxint4 import ReferenceExpertsMxInt4
+  cfg = base.MoEConfig(num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1408,
+                       routing_method=RM.DeepSeekV3, platform="cpu")
+  backend, cls = oracle.select_mxint4_moe_backend(cfg)
+  assert backend == oracle.MxInt4MoeBackend.REFERENCE and cls is ReferenceExpertsMxInt4
+  explicit = base.MoEConfig(num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1408,
+                            platform="cpu", moe_backend="hopper_mxint4")
+  with pytest.raises(ValueError, match="HOPPER_MXINT4 does not support .* platform 'cpu'"):
+    oracle.select_mxint4_moe_backend(explicit)
+  with pytest.raises(ValueError, match="is not supported for MxInt4"):
+    oracle.map_mxint4_backend("marlin")
+  gpu_cfg = base.MoEConfig(num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1408,
+                           platform="cuda")
+  if not mxint4_gpu.is_mxint4_moe_available():
+    # On a machine without our CUDA library the reference is chosen, with the reason logged.
+    backend, _ = oracle.select_mxint4_moe_backend(gpu_cfg)
+    assert backend == oracle.MxInt4MoeBackend.REFERENCE
+  with pytest.raises(NotImplementedError):
+    oracle.select_mxint4_moe_backend(base.MoEConfig(
+        num_experts=8, top_k=2, hidden_size=64, intermediate_size=64, platform="cpu",
+        activation="swigluoai"))
+
+
+def test_reference_experts_apply_matches_reference():
+  from jax_moeq.oracle import base, mxint4 as oracle
+  e, k, h, i, t = 8, 2, 64, 64, 5
+  q13, s13, q2, s2 = _canonical(9, e, h, i)
+  w = oracle.convert_to_mxint4_moe_kernel_format(
+      "reference", int4_format.pack_signed_nibbles(q13), s13, int4_format.pack_signed_nibbles(q2),
+      s2)
+  np.testing.assert_array_equal(np.asarray(w["w13_q"]), q13)
+  cfg = base.MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=i,
+                       routing_method=RM.Renormalize, platform="cpu")
+  _, cls = oracle.select_mxint4_moe_backend(cfg)
+  experts = cls(cfg, oracle.make_mxint4_moe_quant_config())
+  rng = np.random.default_rng(10)
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
+  got = experts.apply(x, w["w13_q"], w["w2_q"], logits, w1_scale=w["w13_scale"],
+                      w2_scale=w["w2_scale"])
+  want = reference.fused_moe_mxint4(x, logits, jnp.asarray(q13), s13, jnp.asarray(q2), s2,
+                                    top_k=k, routing_method=RM.Renormalize)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
