@@ -11,6 +11,19 @@ from jax_moeq.routing import RoutingMethodType, select_experts
 from jax_moeq import reference
 
 # Oracle, weights, fused_moe (helper-2).
+from jax_moeq.fused_moe import fused_moe
+from jax_moeq.weights import (
+    FloatMoEWeights, Int4MoEWeights, W4A8PackedWeights, pack_w4a8, quantize_moe_weights,
+    unpack_w4a8,
+)
+from jax_moeq.oracle.base import MoEActivation, MoEConfig, MoEParallelConfig
+from jax_moeq.oracle.w4a8_int8 import (
+    W4A8Int8MoeBackend, make_w4a8_int8_moe_quant_config, map_w4a8_int8_backend,
+    select_w4a8_int8_moe_backend,
+)
+from jax_moeq.experts.cpu_int4 import CPUExpertsInt4
+from jax_moeq.experts.reference import ReferenceExpertsW4A8
+from jax_moeq import oracle, experts
 
 # GPU ops (helpers 3 and 4): import lazily inside their modules; nothing CUDA at import time.
 
