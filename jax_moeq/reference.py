@@ -2,7 +2,8 @@
 
 Also the REFERENCE backend, so every MoE here runs at real sizes (E=64, H=2048, I=1024, T=512)
 in bounded memory. How: the T·K (token, slot) pairs are sorted by expert (stable) and laid out
-in blocks of B = min(64, T·K) rows, each expert's run padded to a multiple of B (the
+in blocks of B rows (the mean pairs per expert rounded up to a power of two, clamped to
+[8, 64], at most T·K), each expert's run padded to a multiple of B (the
 `moe_align_block_size` layout); `lax.map` walks the at most ceil(T·K/B) + min(E, T·K) blocks,
 skipping empty ones with `lax.cond`, and each block runs one expert's whole MLP on its B rows.
 Cost: GEMM work for at most T·K + E·(B−1) rows (≤ 2x the routed work at T·K ≥ E·B, less
@@ -234,7 +235,10 @@ def _run_expert_blocks(topk_ids: Array, num_experts: int, out_features: int, out
   """
   flat = topk_ids.reshape(-1)
   pairs = flat.shape[0]
-  block = min(_BLOCK_ROWS, pairs)
+  # Rows per block: the mean pairs per expert (so decode does not pad every expert to 64),
+  # between 8 and 64.
+  mean_rows = -(-pairs // num_experts)
+  block = min(_BLOCK_ROWS, max(8, 1 << (mean_rows - 1).bit_length()), pairs)
   num_blocks = -(-pairs // block) + min(num_experts, pairs)
   valid = (flat >= 0) & (flat < num_experts)
   key = jnp.where(valid, flat, num_experts)
