@@ -1,0 +1,216 @@
+"""GPU WNA16 fused MoE benchmark (SPEC §10 GPU shapes): our kernel vs jax.lax.ragged_dot bf16
+and torch._grouped_mm bf16 (when torch imports), measured in the same run.
+
+Per (shape, T): median time of the whole MoE layer (routing ids given), effective bandwidth on
+the int4 weight bytes of the experts hit (scales excluded), TFLOP/s (2·T·K·3·H·I), and ratios.
+Routing is rotated over several random sets so that repeated calls do not replay one L2-resident
+set of experts. Run: python3 benchmarks/gpu_moe_bench.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jax_moeq.ops import wna16_gpu  # noqa: E402
+
+SHAPES = {  # name: (E, K, H, I)
+    "Mixtral-8x7B": (8, 2, 4096, 14336),
+    "Qwen3-30B-A3B": (128, 8, 2048, 768),
+    "DeepSeek-V2-Lite": (64, 6, 2048, 1408),
+}
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+ROUTING_SETS = 8
+GROUP = 128
+
+
+def random_weights(key, e, h, i, dtype=jnp.bfloat16):
+  """Random packed int4 weights (timing does not depend on their meaning; never zeros)."""
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  bits = lambda k, shape: jax.random.bits(k, shape, jnp.uint32)
+  s = lambda k, g, n: (jax.random.uniform(k, (e, g, n // 16, 16), jnp.float32, 0.5, 1.5) * 1e-2
+                       ).astype(dtype)
+  ph = lambda dt: jnp.zeros((1,), dt)
+  return wna16_gpu.Wna16MoeWeights(
+      w13=bits(k1, (e, 2 * i // 16, h // 64, 32, 4)), w13_scales=s(k2, h // GROUP, 2 * i),
+      w13_zeros=ph(dtype), w13_bias=ph(jnp.float32),
+      w2=bits(k3, (e, h // 16, i // 64, 32, 4)), w2_scales=s(k4, i // GROUP, h),
+      w2_zeros=ph(dtype), w2_bias=ph(jnp.float32), w13_perm=ph(jnp.int32),
+      w2_inv_perm=ph(jnp.int32), hidden_size=h, intermediate_size=i, group_size13=GROUP,
+      group_size2=GROUP, has_zeros=False, has_bias=False, act_order=False)
+
+
+def routing_sets(seed, t, e, k):
+  rng = np.random.default_rng(seed)
+  sets = []
+  for _ in range(ROUTING_SETS):
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    ids = np.argsort(-logits, axis=-1)[:, :k].astype(np.int32)
+    w = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+    sets.append((ids, w / w.sum(-1, keepdims=True)))
+  return sets
+
+
+def time_calls(fn, args_list, min_time=0.2, reps=5):
+  """Median per-call seconds: back-to-back async calls (rotating inputs), one sync per rep."""
+  out = fn(*args_list[0])
+  jax.block_until_ready(out)
+  for a in args_list:
+    jax.block_until_ready(fn(*a))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args_list[1 % len(args_list)]))
+  one = max(time.perf_counter() - t0, 1e-5)
+  n = int(min(500, max(len(args_list), min_time / one)))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for j in range(n):  # one stream: the last result is ready only after all the others
+      out = fn(*args_list[j % len(args_list)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / n)
+  return statistics.median(times)
+
+
+def ragged_moe(x, ids, w, w13, w2):
+  """bf16 MoE through jax.lax.ragged_dot (sorted pairs), the JAX baseline."""
+  t, k = ids.shape
+  e = w13.shape[0]
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat)
+  rows = x[order // k]
+  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+  y13 = jax.lax.ragged_dot(rows, w13, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+  i = y13.shape[-1] // 2
+  a = (jax.nn.silu(y13[:, :i].astype(jnp.float32)) * y13[:, i:]).astype(x.dtype)
+  y2 = jax.lax.ragged_dot(a, w2, sizes, preferred_element_type=jnp.float32)
+  y2 = y2 * w.reshape(-1)[order][:, None]
+  return jnp.zeros((t, x.shape[1]), jnp.float32).at[order // k].add(y2).astype(x.dtype)
+
+
+def torch_bench(e, k, h, i, t, sets, min_time=0.2):
+  import torch
+  dev = "cuda"
+  w13 = torch.randn(e, h, 2 * i, device=dev, dtype=torch.bfloat16) * 0.02
+  w2 = torch.randn(e, i, h, device=dev, dtype=torch.bfloat16) * 0.02
+  x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+  tsets = [(torch.from_numpy(ids).to(dev), torch.from_numpy(w).to(dev)) for ids, w in sets]
+  w13t = w13.transpose(1, 2).contiguous().transpose(1, 2)  # column-major B as _grouped_mm likes
+  w2t = w2.transpose(1, 2).contiguous().transpose(1, 2)
+
+  def moe(ids, w):
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat)
+    rows = x[order // k]
+    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+    y13 = torch._grouped_mm(rows, w13t, offs=offs)
+    a = torch.nn.functional.silu(y13[:, :i]) * y13[:, i:]
+    y2 = torch._grouped_mm(a, w2t, offs=offs).float() * w.reshape(-1)[order][:, None]
+    out = torch.zeros(t, h, device=dev, dtype=torch.float32)
+    out.index_add_(0, order // k, y2)
+    return out.to(torch.bfloat16)
+
+  for ids, w in tsets:
+    moe(ids, w)
+  torch.cuda.synchronize()
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  start.record(); moe(*tsets[0]); end.record(); torch.cuda.synchronize()
+  one = max(start.elapsed_time(end) / 1e3, 1e-5)
+  n = int(min(500, max(len(tsets), min_time / one)))
+  times = []
+  for _ in range(5):
+    start.record()
+    for j in range(n):
+      moe(*tsets[j % len(tsets)])
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / n)
+  del w13, w2, w13t, w2t
+  torch.cuda.empty_cache()
+  return statistics.median(times)
+
+
+def copy_bandwidth():
+  x = jax.random.normal(jax.random.PRNGKey(0), (1 << 27,), jnp.float32)  # 512 MiB
+  f = jax.jit(lambda a: a * 1.0001)
+  sec = time_calls(f, [(x,)], min_time=0.3)
+  return 2 * x.nbytes / sec
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="T in {1, 64, 4096} only")
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--shapes", default=",".join(SHAPES))
+  args = ap.parse_args()
+  try:
+    import torch  # noqa: F401
+    have_torch = not args.no_torch and torch.cuda.is_available()
+  except Exception:  # pylint: disable=broad-except
+    have_torch = False
+  dev = jax.devices()[0]
+  hbm = copy_bandwidth()
+  print(f"device: {dev.device_kind}; copy bandwidth (read+write) {hbm / 1e12:.2f} TB/s; "
+        f"torch: {'yes' if have_torch else 'no'}", flush=True)
+  tokens = (1, 64, 4096) if args.quick else TOKENS
+  rows = []
+  for name in args.shapes.split(","):
+    e, k, h, i = SHAPES[name]
+    weights = random_weights(jax.random.PRNGKey(0), e, h, i)
+    kw = jax.random.split(jax.random.PRNGKey(1))
+    w13_bf = (jax.random.normal(kw[0], (e, h, 2 * i), jnp.bfloat16) * 0.02)
+    w2_bf = (jax.random.normal(kw[1], (e, i, h), jnp.bfloat16) * 0.02)
+    bytes_per_expert = (2 * i * h + i * h) // 2
+    ours = jax.jit(wna16_gpu.fused_marlin_moe)
+    ragged = jax.jit(ragged_moe)
+    for t in tokens:
+      sets = routing_sets(t, t, e, k)
+      x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+      dsets = [(jnp.asarray(ids), jnp.asarray(w)) for ids, w in sets]
+      experts_hit = statistics.mean(len(np.unique(ids)) for ids, _ in sets)
+      t_ours = time_calls(lambda ids, w: ours(x, weights, w, ids), dsets)
+      t_ragged = time_calls(lambda ids, w: ragged(x, ids, w, w13_bf, w2_bf), dsets,
+                            min_time=0.1, reps=3)
+      t_torch = None
+      if have_torch:
+        try:
+          t_torch = torch_bench(e, k, h, i, t, sets)
+        except Exception as err:  # pylint: disable=broad-except
+          print(f"torch._grouped_mm failed at {name} T={t}: {err}", flush=True)
+          have_torch = False
+      flops = 2.0 * t * k * 3 * h * i
+      row = dict(shape=name, T=t, us=t_ours * 1e6, tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
+                 hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
+                 tflops=flops / t_ours / 1e12, ragged_us=t_ragged * 1e6,
+                 x_ragged=t_ragged / t_ours,
+                 torch_us=None if t_torch is None else t_torch * 1e6,
+                 x_torch=None if t_torch is None else t_torch / t_ours)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+    del weights, w13_bf, w2_bf
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
+  print(f"{'shape':18} {'T':>5} {'us':>9} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
+        f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
+  for r in rows:
+    tt = "n/a" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
+    xt = "n/a" if r["x_torch"] is None else f"{r['x_torch']:.2f}"
+    print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['tbps']:6.2f} {100 * r['hbm_frac']:5.0f} "
+          f"{r['tflops']:8.1f} {r['ragged_us']:10.1f} {r['x_ragged']:8.1f} {tt:>9} {xt:>7}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the CUDA library, run the WNA16 GPU tests, a
+# compute-sanitizer memcheck of a small case, and the benchmark. Logs go to $OUT (or /tmp).
+#   STAGES="build test memcheck bench" (default all); BENCH_ARGS="--quick" etc.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build test memcheck bench"}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+summary=()
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has build; then
+  start=$(date +%s)
+  if cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_MOEQ_CUDA=ON \
+       -DPython_EXECUTABLE="$(command -v "$PY")" \
+       -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" \
+       >"$OUT/build.log" 2>&1 &&
+     cmake --build build/gpu -j 16 >>"$OUT/build.log" 2>&1; then
+    mkdir -p jax_moeq/lib && cp -f build/gpu/libjax_moeq_cuda.so jax_moeq/lib/
+    cp -f build/gpu/_cpu_ffi*.so jax_moeq/ 2>/dev/null || true
+    summary+=("build: ok ($(( $(date +%s) - start )) s)")
+  else
+    tail -30 "$OUT/build.log"
+    echo "build: FAILED"; exit 1
+  fi
+fi
+
+if has test; then
+  "$PY" -m pytest tests/test_wna16_gpu.py tests/test_wna16_layout.py ${TEST_ARGS:-} -q -x -rs --durations=6 \
+    2>&1 | tee "$OUT/test.log" | tail -25
+  summary+=("tests: $(tail -1 "$OUT/test.log")")
+fi
+
+if has memcheck; then
+  cat >/tmp/wna16_memcheck_case.py <<'PYEOF'
+import jax, jax.numpy as jnp
+from jax_moeq.ops import wna16_gpu
+from jax_moeq.quant import int4
+e, h, i, t, k = 8, 256, 128, 5, 2
+kq = jax.random.split(jax.random.PRNGKey(0), 6)
+q13 = jax.random.randint(kq[0], (e, 2 * i, h), -8, 8).astype(jnp.int8)
+q2 = jax.random.randint(kq[1], (e, h, i), -8, 8).astype(jnp.int8)
+for act_order, batched in ((False, False), (True, False), (False, True)):
+  gi = dict(w13_g_idx=jax.random.permutation(kq[2], jnp.tile(jnp.arange(h) // 64, (e, 1)), axis=1,
+                                             independent=True),
+            w2_g_idx=jax.random.permutation(kq[3], jnp.tile(jnp.arange(i) // 64, (e, 1)), axis=1,
+                                            independent=True)) if act_order else {}
+  w = wna16_gpu.convert_to_wna16_moe_kernel_format(
+      "MARLIN", int4.pack_uint4b8_gptq(q13), int4.pack_uint4b8_gptq(q2),
+      jnp.full((e, h // 64, 2 * i), 0.01, jnp.bfloat16), jnp.full((e, i // 64, h), 0.01, jnp.bfloat16),
+      group_size=64, **gi)
+  if batched:
+    x = jax.random.normal(kq[4], (e, 3, h)).astype(jnp.bfloat16)
+    y = wna16_gpu.batched_fused_marlin_moe(x, jnp.arange(e, dtype=jnp.int32) % 4, w)
+  else:
+    x = jax.random.normal(kq[4], (t, h)).astype(jnp.bfloat16)
+    ids = jax.random.randint(kq[5], (t, k), 0, e)
+    y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids)
+  print("case", act_order, batched, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+PYEOF
+  # Platform allocator: each buffer its own cudaMalloc, so overruns are visible.
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$PY" /tmp/wna16_memcheck_case.py >"$OUT/memcheck.log" 2>&1
+  rc=$?
+  tail -6 "$OUT/memcheck.log"
+  summary+=("memcheck: rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
+fi
+
+if has bench; then
+  "$PY" benchmarks/gpu_moe_bench.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -25
+fi
+
+echo "== summary"
+printf '%s\n' "${summary[@]}"

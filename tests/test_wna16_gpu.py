@@ -1,0 +1,252 @@
+"""GPU WNA16 fused MoE vs a same-scheme jnp reference (SPEC §7, §9). Skipped without a CUDA GPU
+of compute capability >= 9.0 and our CUDA library.
+
+Reference (same rounding points as the kernel): weights dequantized to x's dtype
+(round((nibble - zero) * scale)), f32 accumulation, y13 + bias rounded, activation rounded,
+y2 + bias rounded, times the top-k weight rounded, sum over k in f32 rounded once.
+Tolerance: rel. Frobenius <= 1e-2 in bf16/fp16 (SPEC §9); the only differences are f32
+summation order and the resulting rare 1-ulp flips at the rounding points.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_moeq.ops import wna16_gpu
+from jax_moeq.quant import int4
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_reason():
+  try:
+    if not jax.devices("cuda"):
+      return "no CUDA device visible to JAX"
+  except RuntimeError:
+    return "no CUDA device visible to JAX"
+  if not wna16_gpu.wna16_gpu_available():
+    return "CUDA library not built or GPU below compute capability 9.0"
+  return None
+
+
+_REASON = _gpu_reason()
+if _REASON:
+  pytest.skip(_REASON, allow_module_level=True)
+
+TOL = 1e-2
+
+
+def _rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _make_gemm(key, e, n, k, group_size, act_order, zeros):
+  """Random GPTQ tensors of one GEMM and its dequantization rule (original channel order)."""
+  kq, ks, kg, kz = jax.random.split(key, 4)
+  g = k if group_size == -1 else group_size
+  q = jax.random.randint(kq, (e, n, k), -8, 8, jnp.int32).astype(jnp.int8)
+  # |w| ~ 1/sqrt(k) keeps activations O(1) through both GEMMs.
+  s = jax.random.uniform(ks, (e, k // g, n), jnp.float32, 0.5, 1.5) / (4.0 * np.sqrt(k))
+  s = s.astype(jnp.float16)
+  if act_order:
+    g_idx = jax.vmap(lambda kk: jax.random.permutation(kk, jnp.arange(k) // g))(
+        jax.random.split(kg, e)).astype(jnp.int32)
+  else:
+    g_idx = None
+  z = jax.random.randint(kz, (e, k // g, n), 0, 16, jnp.int32) if zeros else None
+  return dict(q=q, s=s, g_idx=g_idx, z=z, group=g)
+
+
+def _dequant(gemm, dtype):
+  """[E, N, K] weights in dtype, original input order."""
+  q, s, g_idx, z = gemm["q"], gemm["s"], gemm["g_idx"], gemm["z"]
+  e, n, k = q.shape
+  col_group = g_idx if g_idx is not None else jnp.broadcast_to(jnp.arange(k) // gemm["group"],
+                                                               (e, k))
+  s_col = jnp.take_along_axis(s.astype(dtype).astype(jnp.float32), col_group[:, :, None], 1)
+  s_col = jnp.swapaxes(s_col, 1, 2)  # [E, N, K]
+  u = q.astype(jnp.float32) + 8
+  zero = 8.0
+  if z is not None:
+    zero = jnp.swapaxes(jnp.take_along_axis(z.astype(jnp.float32), col_group[:, :, None], 1), 1, 2)
+  return ((u - zero) * s_col).astype(dtype)
+
+
+def _pack_zeros(z):
+  """[E, G, N] in 0..15 -> int32 [E, G, N/8], nibble j of word c = column 8c + j."""
+  return int4.pack_uint4b8_ct((z - 8).astype(jnp.int8))
+
+
+def _activation(kind, g, u):
+  if kind == 1:
+    g = jnp.minimum(g, 7.0)
+    u = jnp.clip(u, -7.0, 7.0)
+    return (u + 1.0) * g * jax.nn.sigmoid(1.702 * g)
+  return jax.nn.silu(g) * u
+
+
+def _expert_mlp(x, w13, w2, b13, b2, kind, dtype):
+  """x [..., H] through one expert's weights (dtype), rounded as the kernel does."""
+  dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+  y13 = dot(x.astype(jnp.float32), w13.astype(jnp.float32).T)
+  if b13 is not None:
+    y13 = y13 + b13
+  y13 = y13.astype(dtype).astype(jnp.float32)
+  i = y13.shape[-1] // 2
+  a = _activation(kind, y13[..., :i], y13[..., i:]).astype(dtype).astype(jnp.float32)
+  y2 = dot(a, w2.astype(jnp.float32).T)
+  if b2 is not None:
+    y2 = y2 + b2
+  return y2.astype(dtype).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "dtype"))
+def _reference_standard(x, topk_ids, topk_weights, w13, w2, b13, b2, *, kind, dtype):
+  e = w13.shape[0]
+
+  def per_expert(carry, inputs):
+    w13_e, w2_e, b13_e, b2_e, idx = inputs
+    y = _expert_mlp(x, w13_e, w2_e, b13_e, b2_e, kind, dtype)  # [T, H]
+    hit = (topk_ids == idx)  # [T, K]
+    contrib = (y[:, None, :] * topk_weights[:, :, None]).astype(dtype).astype(jnp.float32)
+    return carry + jnp.sum(jnp.where(hit[:, :, None], contrib, 0.0), axis=1), None
+
+  b13 = b13 if b13 is not None else jnp.zeros((e, w13.shape[1]), jnp.float32)
+  b2 = b2 if b2 is not None else jnp.zeros((e, w2.shape[1]), jnp.float32)
+  out, _ = jax.lax.scan(per_expert, jnp.zeros(x.shape, jnp.float32),
+                        (w13, w2, b13, b2, jnp.arange(e)))
+  return out.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "dtype"))
+def _reference_batched(x, counts, w13, w2, b13, b2, *, kind, dtype):
+  e, m, _ = x.shape
+  b13 = b13 if b13 is not None else jnp.zeros((e, w13.shape[1]), jnp.float32)
+  b2 = b2 if b2 is not None else jnp.zeros((e, w2.shape[1]), jnp.float32)
+  y = jax.vmap(lambda xe, a, b, c, d: _expert_mlp(xe, a, b, c, d, kind, dtype))(x, w13, w2, b13, b2)
+  live = jnp.arange(m)[None, :, None] < counts[:, None, None]
+  return jnp.where(live, y, 0.0).astype(dtype)
+
+
+def _build(seed, e, h, i, group_size, dtype, act_order=False, zeros=False, bias=False,
+           backend="MARLIN"):
+  k13, k2, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
+  g13 = _make_gemm(k13, e, 2 * i, h, group_size, act_order, zeros)
+  g2 = _make_gemm(k2, e, h, i, group_size, act_order, zeros)
+  b13 = b2 = None
+  if bias:
+    kb1, kb2 = jax.random.split(kb)
+    b13 = jax.random.normal(kb1, (e, 2 * i), jnp.float32) * 0.1
+    b2 = jax.random.normal(kb2, (e, h), jnp.float32) * 0.1
+  weights = wna16_gpu.convert_to_wna16_moe_kernel_format(
+      backend, int4.pack_uint4b8_gptq(g13["q"]), int4.pack_uint4b8_gptq(g2["q"]), g13["s"],
+      g2["s"], group_size=group_size, w13_g_idx=g13["g_idx"], w2_g_idx=g2["g_idx"],
+      w13_qzeros=_pack_zeros(g13["z"]) if zeros else None,
+      w2_qzeros=_pack_zeros(g2["z"]) if zeros else None, w13_bias=b13, w2_bias=b2, dtype=dtype)
+  ref_w = (_dequant(g13, dtype), _dequant(g2, dtype), b13, b2)
+  return weights, ref_w
+
+
+def _routing(seed, t, e, k):
+  kx, kl = jax.random.split(jax.random.PRNGKey(seed + 1000))
+  logits = jax.random.normal(kl, (t, e), jnp.float32)
+  w, ids = jax.lax.top_k(jax.nn.softmax(logits, -1), k)
+  return w / jnp.sum(w, -1, keepdims=True), ids.astype(jnp.int32)
+
+
+# (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation)
+STANDARD_CASES = [
+    (1, 8, 2, 256, 256, 128, jnp.bfloat16, False, False, False, 0),
+    (3, 8, 2, 1024, 256, 32, jnp.float16, False, False, False, 0),
+    (16, 64, 8, 256, 1024, 64, jnp.bfloat16, False, False, True, 1),
+    (64, 128, 8, 2048, 256, -1, jnp.bfloat16, False, False, False, 2),
+    (257, 8, 1, 256, 2048, 128, jnp.float16, True, False, False, 0),
+    (1024, 64, 2, 1024, 1024, 32, jnp.bfloat16, False, False, False, 0),
+    (1024, 8, 2, 2048, 1024, 128, jnp.float16, False, True, True, 0),
+    (64, 8, 2, 1024, 256, 64, jnp.bfloat16, True, True, True, 1),
+    (16, 128, 8, 2048, 2048, 128, jnp.float16, False, False, False, 0),
+    (257, 64, 8, 256, 256, 32, jnp.bfloat16, True, False, False, 0),
+]
+
+
+@pytest.mark.parametrize("case", STANDARD_CASES, ids=lambda c: "T{}_E{}_K{}_H{}_I{}_g{}_{}{}{}{}_a{}".format(
+    c[0], c[1], c[2], c[3], c[4], c[5], jnp.dtype(c[6]).name, "_ao" if c[7] else "",
+    "_zp" if c[8] else "", "_bias" if c[9] else "", c[10]))
+def test_standard_vs_reference(case):
+  t, e, k, h, i, group, dtype, act_order, zeros, bias, kind = case
+  seed = hash(case) % 1000
+  weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
+  topk_w, topk_ids = _routing(seed, t, e, k)
+  x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
+  poison = jnp.full((t, h), jnp.nan, dtype)
+  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind))
+  got = run(x, weights, topk_w, topk_ids, out_init=poison)
+  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
+  got = np.asarray(got.astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  assert got.dtype == np.float32 and got.shape == (t, h)
+  err = _rel(got, want)
+  assert err <= TOL, f"rel. Frobenius error {err:.3e}"
+
+
+@pytest.mark.parametrize("block_m", [8, 16, 32])
+def test_block_sizes_agree(block_m):
+  weights, (w13, w2, b13, b2) = _build(11, 8, 256, 256, 64, jnp.bfloat16)
+  topk_w, topk_ids = _routing(11, 40, 8, 2)
+  x = jax.random.normal(jax.random.PRNGKey(3), (40, 256), jnp.float32).astype(jnp.bfloat16)
+  got = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, block_m=block_m)
+  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=0, dtype=jnp.bfloat16)
+  assert _rel(got.astype(jnp.float32), want) <= TOL
+
+
+BATCHED_CASES = [
+    (8, 16, 256, 256, 128, jnp.bfloat16, False, False),
+    (64, 3, 1024, 256, 32, jnp.float16, False, True),
+    (8, 64, 256, 1024, -1, jnp.bfloat16, True, False),
+]
+
+
+@pytest.mark.parametrize("case", BATCHED_CASES)
+def test_batched_vs_reference(case):
+  e, m, h, i, group, dtype, act_order, bias = case
+  seed = hash(case) % 1000
+  weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, False, bias,
+                                       backend="BATCHED_MARLIN")
+  counts = jax.random.randint(jax.random.PRNGKey(seed + 1), (e,), 0, m + 1, jnp.int32)
+  counts = counts.at[0].set(m)  # one full expert
+  x = jax.random.normal(jax.random.PRNGKey(seed + 2), (e, m, h), jnp.float32).astype(dtype)
+  poison = jnp.full(x.shape, jnp.nan, dtype)
+  got = jax.jit(wna16_gpu.batched_fused_marlin_moe)(x, counts, weights, out_init=poison)
+  want = _reference_batched(x, counts, w13, w2, b13, b2, kind=0, dtype=dtype)
+  got = np.asarray(got.astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  assert _rel(got, want) <= TOL
+  # Rows past each expert's count are exactly zero.
+  live = np.arange(m)[None, :] < np.asarray(counts)[:, None]
+  assert np.all(got[~live] == 0)
+
+
+def test_out_of_range_ids_contribute_nothing():
+  weights, (w13, w2, b13, b2) = _build(5, 8, 256, 256, 128, jnp.bfloat16)
+  topk_w, topk_ids = _routing(5, 4, 8, 2)
+  x = jax.random.normal(jax.random.PRNGKey(9), (4, 256), jnp.float32).astype(jnp.bfloat16)
+  bad_ids = topk_ids.at[:, 1].set(99)
+  got = wna16_gpu.fused_marlin_moe(x, weights, topk_w, bad_ids)
+  want = _reference_standard(x, bad_ids, topk_w, w13, w2, b13, b2, kind=0, dtype=jnp.bfloat16)
+  assert _rel(got.astype(jnp.float32), want) <= TOL
+
+
+def test_deterministic_across_calls_within_tolerance_and_jit():
+  weights, _ = _build(6, 8, 256, 512, 64, jnp.float16)
+  topk_w, topk_ids = _routing(6, 2, 8, 2)
+  x = jax.random.normal(jax.random.PRNGKey(10), (2, 256), jnp.float32).astype(jnp.float16)
+  eager = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids)
+  jitted = jax.jit(wna16_gpu.fused_marlin_moe)(x, weights, topk_w, topk_ids)
+  # split-K accumulates with f32 atomics: the order may differ, the result only by rounding.
+  assert _rel(jitted.astype(jnp.float32), eager.astype(jnp.float32)) <= 1e-2
