@@ -218,7 +218,7 @@ def fused_moe(
   x = jnp.asarray(x)
   router_logits = jnp.asarray(router_logits)
   if x.ndim < 1:
-    raise ValueError(f"x must be [..., H], got a scalar")
+    raise ValueError("x must be [..., H], got a scalar")
   if router_logits.ndim < 1 or router_logits.shape[:-1] != x.shape[:-1]:
     raise ValueError(f"router_logits must be [..., E] with the leading dims of x "
                      f"{x.shape[:-1]}, got shape {router_logits.shape}")

@@ -111,7 +111,7 @@ def test_auto_falls_back_to_the_reference_and_says_why(overrides, weight_key, ph
     # CPU_INT4 is not even a candidate there: the warning says the platform has no kernel.
     assert "platform 'cuda'" in warnings[0].message
   else:
-    assert f"CPU_INT4: " in warnings[0].message and phrase in warnings[0].message
+    assert "CPU_INT4: " in warnings[0].message and phrase in warnings[0].message
     debug = [r.message for r in caplog.records if r.levelno == logging.DEBUG]
     assert any("CPU_INT4 does not support the deployment configuration since" in m and phrase in m
                for m in debug)
