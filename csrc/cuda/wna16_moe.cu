@@ -49,7 +49,7 @@ __global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
   StoreHalf<T>(act, static_cast<int64_t>(id) * inter + col, a);
 }
 
-// Standard: out[t][n] = round(sum_k round((round(ws2[t*K+k][n] + b2) ) * w[t][k])),
+// Standard: out[t][n] = round(sum_k round((ws2[t*K+k][n] + b2) * w[t][k])) (f32 sum),
 // experts out of range contribute nothing.
 template <typename T>
 __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
@@ -65,7 +65,7 @@ __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
     if (e < 0 || e >= experts) continue;
     float y = ws[static_cast<int64_t>(pair) * hidden + n];
     if (bias) y += bias[static_cast<int64_t>(e) * hidden + n];
-    sum += RoundTo<T>(RoundTo<T>(y) * topk_weights[pair]);
+    sum += RoundTo<T>(y * topk_weights[pair]);  // the reference rounds acc x weight once
   }
   StoreHalf<T>(out, static_cast<int64_t>(t) * hidden + n, sum);
 }

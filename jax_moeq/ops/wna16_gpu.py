@@ -3,9 +3,9 @@
 Semantics: SPEC §2, §7. The kernel (csrc/cuda, `jax_moeq_wna16_moe_cuda`) computes, per
 (token, slot) pair routed to expert e (standard format) or per row of expert e (batched):
   y13 = round(x @ dequant(w13[e]).T + b13), act = round(activation(y13)),
-  y2 = round(act @ dequant(w2[e]).T + b2),
-  standard: out[t] = round(sum_k round(y2 · topk_weights[t, k]))  (f32 sum)
-  batched:  out[e, m] = y2 for m < expert_num_tokens[e], else 0,
+  acc2 = act @ dequant(w2[e]).T + b2 (f32),
+  standard: out[t] = round(sum_k round(acc2 · topk_weights[t, k]))  (f32 sum)
+  batched:  out[e, m] = round(acc2) for m < expert_num_tokens[e], else 0,
 with dequant(w) = round(q · s) in x's dtype (q = nibble − zero point) and f32 accumulation.
 
 Packed layout (per GEMM of N outputs and K inputs; see csrc/cuda/int4_mma_core.cuh):
