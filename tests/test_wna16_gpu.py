@@ -196,7 +196,7 @@ def test_standard_vs_reference(case):
   assert err <= TOL, f"rel. Frobenius error {err:.3e}"
 
 
-@pytest.mark.parametrize("block_m", [8, 16, 32])
+@pytest.mark.parametrize("block_m", [8, 16, 32, 64])
 def test_block_sizes_agree(block_m):
   weights, (w13, w2, b13, b2) = _build(11, 8, 256, 256, 64, jnp.bfloat16)
   topk_w, topk_ids = _routing(11, 40, 8, 2)

@@ -264,8 +264,10 @@ ffi::Error Wna16MoeIntoImpl(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMoeqWna16MoeCuda, jax_moeq::ffi_cuda::Wna16MoeImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()));
+    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()),
+    {ffi::Traits::kCmdBufferCompatible});  // stream-ordered, no host sync: graph-capturable
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMoeqWna16MoeCudaInto, jax_moeq::ffi_cuda::Wna16MoeIntoImpl,
     jax_moeq::ffi_cuda::BindResultsAndAttrs(
-        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()));
+        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()),
+    {ffi::Traits::kCmdBufferCompatible});

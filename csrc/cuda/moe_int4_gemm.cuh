@@ -4,7 +4,7 @@
 // (signed int4, bf16 scales per 32) share it. No XLA types.
 //
 // Work decomposition: blockIdx.x = expert block of block_m rows (of the
-// sorted, per-expert padded row list), blockIdx.y = 4 warps x "units" along
+// sorted, per-expert padded row list), blockIdx.y = blockDim.x / 32 warps x "units" along
 // N, blockIdx.z = split of K. A unit is two 16-row weight subtiles, sub0 =
 // unit * unit_mult and sub1 = sub0 + sub_stride (GEMM1: gate row n and up
 // row I + n, so the activation can be applied in registers).
@@ -56,19 +56,21 @@ __device__ __forceinline__ void StoreHalf(void* base, int64_t index, float v) {
   reinterpret_cast<T*>(base)[index] = HalfType<T>::from_float(v);
 }
 
+constexpr int kMaxGemmThreads = 256;
+
 // Chunks per pipeline stage: more in flight when few token tiles.
 template <int MT>
 __host__ __device__ constexpr int ChunksPerStage() {
-  return MT == 1 ? 4 : (MT == 2 ? 2 : 1);
+  return MT == 1 ? 4 : (MT == 2 ? 2 : 1);  // MT 4 and 8: one chunk, registers are full
 }
 
 template <typename T, NibbleCode kCode, int MT>
-__global__ void __launch_bounds__(128) MoeInt4GemmKernel(MoeGemmArgs p) {
+__global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
   constexpr int kNsub = 2;
   constexpr int kStage = ChunksPerStage<MT>();
   const int blk = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int unit = blockIdx.y * 4 + warp;
+  const int unit = blockIdx.y * (blockDim.x >> 5) + warp;
   if (unit >= p.units) return;
   const int block_m = MT * 8;
   if (blk * block_m >= __ldg(p.num_post_padded)) return;
@@ -190,11 +192,27 @@ __global__ void __launch_bounds__(128) MoeInt4GemmKernel(MoeGemmArgs p) {
 // Standard format: sorted_ids lists pair ids p = t*K + k grouped by expert,
 // each expert's run padded to block_m with `num_rows`; expert_ids per block
 // (-1 past the end). Ids out of [0, E) are dropped (they contribute nothing).
-// One block of 1024 threads; shared memory 2 * E ints.
+// Block 0 of 1024 threads (shared memory 2 * E ints) aligns.
+// Zeroes up to two f32 workspaces with the blocks after the first `skip`
+// (so the alignment launch also clears split-K accumulators).
+__device__ __forceinline__ void ZeroWorkspaces(float* ws_a, int64_t count_a, float* ws_b,
+                                               int64_t count_b, int skip) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x - skip) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x - skip) * blockDim.x + threadIdx.x;
+  for (int64_t i = first; i < count_a; i += stride) ws_a[i] = 0.0f;
+  for (int64_t i = first; i < count_b; i += stride) ws_b[i] = 0.0f;
+}
+
+// Block 0 aligns; blocks 1.. zero the workspaces (counts may be 0).
 static __global__ void __launch_bounds__(1024)
     AlignStandardKernel(const int32_t* topk_ids, int num_pairs, int experts, int block_m,
                         int max_padded, int max_blocks, int32_t* sorted_ids, int32_t* expert_ids,
-                        int32_t* num_post_padded) {
+                        int32_t* num_post_padded, float* ws_a = nullptr, int64_t count_a = 0,
+                        float* ws_b = nullptr, int64_t count_b = 0) {
+  if (blockIdx.x > 0) {
+    ZeroWorkspaces(ws_a, count_a, ws_b, count_b, 1);
+    return;
+  }
   extern __shared__ int32_t shared[];
   int32_t* counts = shared;
   int32_t* cursor = shared + experts;
@@ -230,9 +248,16 @@ static __global__ void __launch_bounds__(1024)
 
 // Batched format: expert e owns blocks [e * bpe, (e + 1) * bpe) of rows
 // e * M + m, m < expert_num_tokens[e] (clamped to M); padding is E * M.
+// Blocks [0, align_blocks) align; the others zero the workspaces.
 static __global__ void AlignBatchedKernel(const int32_t* expert_num_tokens, int experts,
                                           int max_tokens, int block_m, int32_t* sorted_ids,
-                                          int32_t* expert_ids, int32_t* num_post_padded) {
+                                          int32_t* expert_ids, int32_t* num_post_padded,
+                                          int align_blocks, float* ws_a, int64_t count_a,
+                                          float* ws_b, int64_t count_b) {
+  if (static_cast<int>(blockIdx.x) >= align_blocks) {
+    ZeroWorkspaces(ws_a, count_a, ws_b, count_b, align_blocks);
+    return;
+  }
   const int blocks_per_expert = (max_tokens + block_m - 1) / block_m;
   const int total = experts * blocks_per_expert * block_m;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;

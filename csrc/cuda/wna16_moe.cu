@@ -9,7 +9,8 @@
 namespace jax_moeq::cuda {
 namespace {
 
-constexpr int kWarpsPerCta = 4;
+constexpr int kWarpsPerCta = 8;
+constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
 // act-order: x_perm[id][j] = x[id / in_div][perm[e][j]], e the row's expert.
 template <typename T>
@@ -103,7 +104,8 @@ void LaunchGemmForBlock(const MoeGemmArgs& args, int max_blocks, cudaStream_t st
   switch (args.block_m) {
     case 8: LaunchGemm<T, 1>(args, max_blocks, stream); break;
     case 16: LaunchGemm<T, 2>(args, max_blocks, stream); break;
-    default: LaunchGemm<T, 4>(args, max_blocks, stream); break;
+    case 32: LaunchGemm<T, 4>(args, max_blocks, stream); break;
+    default: LaunchGemm<T, 8>(args, max_blocks, stream); break;
   }
 }
 
@@ -115,17 +117,21 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts);
 
-  // 1. Token-to-expert alignment.
+  // 1. Token-to-expert alignment; the same launch zeroes the split-K workspaces.
+  const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
+  const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
+  const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
   if (p.batched) {
     const int threads = 256;
-    const int blocks = static_cast<int>((max_padded + threads - 1) / threads);
-    AlignBatchedKernel<<<std::max(blocks, 1), threads, 0, stream>>>(
+    const int blocks = std::max(1, static_cast<int>((max_padded + threads - 1) / threads));
+    AlignBatchedKernel<<<blocks + zero_blocks, threads, 0, stream>>>(
         p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
-        p.expert_ids, p.num_post_padded);
+        p.expert_ids, p.num_post_padded, blocks, p.ws13, zero13, p.ws2, zero2);
   } else {
-    AlignStandardKernel<<<1, 1024, 2 * E * sizeof(int32_t), stream>>>(
+    AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * E * sizeof(int32_t), stream>>>(
         p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
-        static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded);
+        static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13,
+        zero13, p.ws2, zero2);
   }
   std::string err = CudaError("alignment kernel");
   if (!err.empty()) return err;
@@ -174,10 +180,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g1.act_col = p.act_order ? p.inv_perm2 : nullptr;
   if (p.split13 > 1) {
     g1.epilogue = EpilogueKind::kF32Store;
-    g1.ws = p.ws13;
-    if (cudaMemsetAsync(p.ws13, 0, rows * 2 * I * sizeof(float), stream) != cudaSuccess) {
-      return CudaError("memset ws13");
-    }
+    g1.ws = p.ws13;  // zeroed by the alignment launch
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
@@ -214,11 +217,6 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.ws = p.ws2;
   g2.bias = nullptr;
   g2.act_col = nullptr;
-  if (p.split2 > 1 &&
-      cudaMemsetAsync(p.ws2, 0, rows * static_cast<int64_t>(H) * sizeof(float), stream) !=
-          cudaSuccess) {
-    return CudaError("memset ws2");
-  }
   LaunchGemmForBlock<T>(g2, static_cast<int>(max_blocks), stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
@@ -255,7 +253,9 @@ int64_t Wna16MoeMaxPadded(const Wna16MoeProblem& p) {
 int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p) { return Wna16MoeMaxPadded(p) / p.block_m; }
 
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
-  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32) return "block_m must be 8, 16 or 32";
+  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64) {
+    return "block_m must be 8, 16, 32 or 64";
+  }
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
     return "intermediate size must be a positive multiple of 64";

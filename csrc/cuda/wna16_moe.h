@@ -21,7 +21,7 @@ struct Wna16MoeProblem {
   int64_t intermediate = 0;  // I
   int64_t groups13 = 1;  // scale groups along H (1: channel-wise)
   int64_t groups2 = 1;   // scale groups along I
-  int block_m = 8;       // tokens per expert block: 8, 16 or 32
+  int block_m = 8;       // tokens per expert block: 8, 16, 32 or 64
   int split13 = 1;       // split-K factor of GEMM1 (>1 accumulates in ws13)
   int split2 = 1;        // split-K factor of GEMM2
   int activation = 0;    // 0/2: silu(g)*u, 1: swigluoai

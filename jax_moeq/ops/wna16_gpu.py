@@ -308,10 +308,10 @@ def pack_wna16_from_int4(w13: Array, w2: Array, w13_scale: Array, w2_scale: Arra
 # ------------------------------------------------------------------ the op
 def _choose_block_m(rows: int, experts: int) -> int:
   per_expert = rows / max(1, min(experts, rows))
-  for bm in (8, 16):
+  for bm in (8, 16, 32):
     if per_expert <= bm:
       return bm
-  return 32
+  return 64
 
 
 def _choose_split(blocks: int, units: int, chunks: int, ws_bytes: int) -> int:
@@ -353,8 +353,8 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
     rows, max_tokens = route_ids.shape[0] * route_ids.shape[1], 0
   if block_m is None:
     block_m = _choose_block_m(max_tokens, 1) if batched else _choose_block_m(rows, e)
-  if block_m not in (8, 16, 32):
-    raise ValueError(f"block_m must be 8, 16 or 32, got {block_m}")
+  if block_m not in (8, 16, 32, 64):
+    raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
   padded = max(block_m, _max_padded(rows, e, block_m, batched, max_tokens))
   blocks = padded // block_m
   busy_blocks = min(blocks, max(1, math.ceil(rows / block_m) + min(e, rows)))
@@ -412,7 +412,7 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     topk_weights: [T, K] float32; topk_ids: [T, K] int32 (int64 accepted). Ids outside [0, E)
       contribute nothing (the kernel cannot raise on data).
     activation_kind: 0 silu(g)·u, 1 swigluoai, 2 silu (== 0).
-    block_m: tokens per expert block (8/16/32); default from the routing density.
+    block_m: tokens per expert block (8/16/32/64); default from the routing density.
     out_init: optional buffer aliased to the output (tests poison it with NaN).
   Returns:
     [T, H] in x's dtype.
