@@ -26,6 +26,13 @@ from jax_moeq.experts.reference import ReferenceExpertsW4A8
 from jax_moeq import oracle, experts
 
 # GPU ops (helpers 3 and 4): import lazily inside their modules; nothing CUDA at import time.
+# GPU WNA16 (Marlin-class): the op loads the CUDA library on first call only.
+from jax_moeq.ops.wna16_gpu import (
+    Wna16MoeWeights, batched_fused_marlin_moe, convert_to_wna16_moe_kernel_format,
+    fused_marlin_moe,
+)
+from jax_moeq.oracle.wna16 import WNA16MoeBackend, select_wna16_moe_backend
+from jax_moeq.experts.marlin import BatchedMarlinExperts, MarlinExperts, ReferenceExpertsWNA16
 
 # Flax blocks, checkpoint loaders/writers, sharding (issue 3). safetensors is imported lazily.
 from jax_moeq import loaders, nn, sharding
