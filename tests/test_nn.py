@@ -164,6 +164,8 @@ def test_explicit_backend_errors():
   moe = MoE(E, K, H, I, dtype=jnp.float32, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="allow_activation_quantization"):
     QuantizedMoE.from_float(moe, scheme="wna16", group_size=32, moe_backend="cpu_int4")
+  with pytest.raises(ValueError, match="MARLIN.*platform 'cpu'"):
+    QuantizedMoE.from_float(moe, scheme="wna16", group_size=32, moe_backend="marlin")
   with pytest.raises(ValueError, match="scheme='int3'"):
     QuantizedMoE(E, K, H, I, scheme="int3", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="group_size=128 does not divide intermediate_size=64"):

@@ -6,6 +6,8 @@ the oracle / reference modules.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -89,51 +91,41 @@ def mxint4_routing_method(spec):
   return R.Renormalize if spec.renormalize else R.Default
 
 
-def _gpu_unfit(spec, scheme: str, group_size: int, dtype) -> str | None:
-  """Why the GPU kernel of `scheme` cannot run this block (None: it can)."""
-  dt = jnp.dtype(dtype)
-  if scheme == "wna16":
-    from jax_moeq.ops import wna16_gpu
-    if not wna16_gpu_available_safe(wna16_gpu.wna16_gpu_available):
-      return "no CUDA device with compute capability >= 9.0 and our CUDA library"
-    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-      return f"the kernel takes bfloat16/float16 activations, not {dt.name}"
-    if spec.apply_router_weight_on_input:
-      return "the kernel applies router weights to GEMM2's output only"
-    return None
-  from jax_moeq.ops import mxint4_gpu
-  if not wna16_gpu_available_safe(mxint4_gpu.is_mxint4_moe_available):
-    return "no CUDA device with compute capability >= 9.0 and our CUDA library"
-  if dt != jnp.dtype(jnp.bfloat16):
-    return f"the kernel takes bfloat16 activations, not {dt.name}"
-  if spec.activation != "silu" or spec.use_bias or spec.apply_router_weight_on_input:
-    return "the kernel runs SwiGLU without biases, router weights on the output"
-  if spec.hidden_size % 64 or spec.intermediate_size % 64:
-    return "the kernel needs H and I multiples of 64"
-  if spec.top_k > 32 or mxint4_routing_method(spec) is None:
-    return "the block's routing has no kernel-side routing method (or top_k > 32)"
-  return None
-
-
-def wna16_gpu_available_safe(check) -> bool:
-  try:
-    return bool(check())
-  except Exception:  # no CUDA runtime at all
-    return False
-
-
 def _choose_gpu(spec, scheme, group_size, dtype, moe_backend) -> BackendChoice:
-  if scheme not in GPU_BACKENDS or moe_backend not in ("auto", GPU_BACKENDS.get(scheme)):
-    raise ValueError(f"moe_backend={moe_backend!r} is not a backend of scheme={scheme!r} (expected "
-                     f"'auto', {GPU_BACKENDS.get(scheme)!r}, 'cpu_int4' or 'reference')")
-  why = _gpu_unfit(spec, scheme, group_size, dtype)
-  name = GPU_BACKENDS[scheme]
-  if why is None:
-    return BackendChoice(name, f"the {scheme} GPU kernel ({name}) fits")
-  if moe_backend != "auto":
-    raise ValueError(f"{scheme} MoE backend {name} does not support the deployment configuration "
-                     f"since {why}.")
-  return BackendChoice(REFERENCE, f"{name} does not fit since {why}; using the jnp reference")
+  """GPU platforms: the scheme's own oracle (WNA16: MARLIN; MxInt4: HOPPER_MXINT4)."""
+  if scheme not in GPU_BACKENDS:
+    raise ValueError(f"moe_backend={moe_backend!r} is not a backend of scheme={scheme!r}")
+  from jax_moeq.oracle import base
+  config = _moe_config(spec, dtype, moe_backend)
+  if scheme == "wna16":
+    from jax_moeq.oracle import wna16 as oracle
+    weight_key = base.wna16_weight_key(group_size)
+    if moe_backend == MARLIN:
+      config = dataclasses.replace(config, moe_backend="marlin")
+    backend, cls = oracle.select_wna16_moe_backend(config, weight_key)
+    fast = oracle.WNA16MoeBackend.MARLIN
+  else:
+    from jax_moeq.oracle import mxint4 as oracle
+    method = mxint4_routing_method(spec)
+    if method is None:
+      # The kernel routes inside; a block routing it cannot express runs on the reference.
+      return BackendChoice(REFERENCE, "the block's routing has no MxInt4 kernel-side routing "
+                           "method; using the jnp reference")
+    weight_key = base.kMxInt4StaticGroup32
+    config = dataclasses.replace(config, routing_method=method,
+                                 moe_backend="hopper_mxint4" if moe_backend == MXINT4_GPU
+                                 else moe_backend)
+    backend, cls = oracle.select_mxint4_moe_backend(config, weight_key)
+    fast = oracle.MxInt4MoeBackend.HOPPER_MXINT4
+  if backend == fast:
+    return BackendChoice(GPU_BACKENDS[scheme], f"the {scheme} oracle chose {backend.value} "
+                         f"({cls.__name__})")
+  if backend.name == "BATCHED_MARLIN":
+    return BackendChoice(REFERENCE, "the oracle chose BATCHED_MARLIN (batched activation format), "
+                         "which the block does not use; using the jnp reference")
+  _, why = oracle.backend_to_kernel_cls(fast)[0].is_supported_config(config, weight_key, None)
+  return BackendChoice(REFERENCE, f"the {scheme} oracle chose {backend.value}: {fast.value} does "
+                       f"not fit since {why}")
 
 
 def prepare_gpu(choice, weights, spec):
