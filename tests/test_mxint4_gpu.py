@@ -186,7 +186,7 @@ def test_model_shapes(name, e, k, h, i, method, t):
   assert _rel(out, ref) <= TOL
 
 
-@pytest.mark.parametrize("block_m", [8, 16, 32])
+@pytest.mark.parametrize("block_m", [8, 16, 32, 64])
 def test_block_sizes(block_m):
   e, k, h, i, t = 16, 2, 256, 192, 100
   prepared, canon = _experts(block_m, e, h, i)

@@ -210,8 +210,10 @@ auto BindResultsAndAttrs(Binding binding) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMoeqMxInt4MoeCuda, jax_moeq::ffi_cuda::MxInt4MoeImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()));
+    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()),
+    {ffi::Traits::kCmdBufferCompatible});  // stream-ordered, no host sync: graph-capturable
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMoeqMxInt4MoeCudaInto, jax_moeq::ffi_cuda::MxInt4MoeIntoImpl,
     jax_moeq::ffi_cuda::BindResultsAndAttrs(
-        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()));
+        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()),
+    {ffi::Traits::kCmdBufferCompatible});

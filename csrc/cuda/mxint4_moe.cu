@@ -11,8 +11,9 @@ namespace jax_moeq::cuda {
 namespace {
 
 using Bf16 = __nv_bfloat16;
-constexpr int kWarpsPerCta = 4;
+constexpr int kWarpsPerCta = 8;
 constexpr int kGroupSize = 32;
+constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
 // GEMM1 finalize after split-K: act[id][n] = round(silu(round(g)) * round(u)).
 __global__ void MxInt4Finalize13Kernel(const float* ws, const int32_t* local_ids, int inter,
@@ -60,7 +61,8 @@ void LaunchGemmForBlock(const MoeGemmArgs& args, int max_blocks, cudaStream_t st
   switch (args.block_m) {
     case 8: LaunchGemm<1>(args, max_blocks, stream); break;
     case 16: LaunchGemm<2>(args, max_blocks, stream); break;
-    default: LaunchGemm<4>(args, max_blocks, stream); break;
+    case 32: LaunchGemm<4>(args, max_blocks, stream); break;
+    default: LaunchGemm<8>(args, max_blocks, stream); break;
   }
 }
 
@@ -127,7 +129,9 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
       return "top_k exceeds the experts of the kept groups";
     }
   }
-  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32) return "block_m must be 8, 16 or 32";
+  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64) {
+    return "block_m must be 8, 16, 32 or 64";
+  }
   if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
   if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
     return "problem too large for 32-bit row indexing";
@@ -149,10 +153,14 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   err = RunMxInt4Routing(p, stream);
   if (!err.empty()) return err;
 
-  // 2. This rank's pairs to expert blocks (local id -1: dropped).
-  AlignStandardKernel<<<1, 1024, 2 * L * sizeof(int32_t), stream>>>(
+  // 2. This rank's pairs to expert blocks (local id -1: dropped); the same launch zeroes the
+  // split-K workspaces.
+  const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
+  const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
+  const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
+  AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * L * sizeof(int32_t), stream>>>(
       p.local_ids, rows, L, p.block_m, max_padded, max_blocks, p.sorted_ids, p.expert_ids,
-      p.num_post_padded);
+      p.num_post_padded, p.ws13, zero13, p.ws2, zero2);
   err = CudaError("alignment kernel");
   if (!err.empty()) return err;
 
@@ -183,11 +191,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g1.act_col = nullptr;
   if (p.split13 > 1) {
     g1.epilogue = EpilogueKind::kF32Store;
-    g1.ws = p.ws13;
-    if (cudaMemsetAsync(p.ws13, 0, static_cast<size_t>(rows) * 2 * I * sizeof(float), stream) !=
-        cudaSuccess) {
-      return CudaError("memset ws13");
-    }
+    g1.ws = p.ws13;  // zeroed by the alignment launch
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
@@ -217,12 +221,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.splits = p.split2;
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
-  g2.ws = p.ws2;
-  if (p.split2 > 1 &&
-      cudaMemsetAsync(p.ws2, 0, static_cast<size_t>(rows) * H * sizeof(float), stream) !=
-          cudaSuccess) {
-    return CudaError("memset ws2");
-  }
+  g2.ws = p.ws2;  // zeroed by the alignment launch when split
   LaunchGemmForBlock(g2, max_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;

@@ -41,7 +41,7 @@ struct MxInt4MoeProblem {
   int topk_group = 1;
   float routed_scaling_factor = 1.0f;
   bool logits_bf16 = false;   // router logits bf16 (else f32)
-  int block_m = 8;            // 8, 16 or 32
+  int block_m = 8;            // 8, 16, 32 or 64
   int split13 = 1;
   int split2 = 1;
 

@@ -222,10 +222,10 @@ def unpack_mxint4_moe_weights(prepared: dict[str, Array]) -> tuple[Array, Array,
 
 # ------------------------------------------------------------------ the op
 def _choose_block_m(pairs_per_expert: float) -> int:
-  for bm in (8, 16):
+  for bm in (8, 16, 32):
     if pairs_per_expert <= bm:
       return bm
-  return 32
+  return 64
 
 
 def _choose_split(busy_blocks: int, units: int, chunks: int, ws_bytes: int) -> int:
@@ -330,8 +330,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   local_pairs = pairs * el / num_experts  # expected, for the heuristics
   if block_m is None:
     block_m = _choose_block_m(local_pairs / max(1.0, min(el, local_pairs)))
-  if block_m not in (8, 16, 32):
-    raise ValueError(f"block_m must be 8, 16 or 32, got {block_m}")
+  if block_m not in (8, 16, 32, 64):
+    raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
   padded = _max_padded(pairs, el, block_m)
   blocks = padded // block_m
   busy = min(blocks, max(1, math.ceil(local_pairs / block_m) + min(el, math.ceil(local_pairs))))
@@ -402,7 +402,7 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       in float32 (the seed rounds it to bf16 first; pass a bf16-rounded bias to match).
     routing_method: a `RoutingMethodType` (Default, Renormalize, DeepSeekV3, Llama4,
       RenormalizeNaive, TopK, SigmoidRenorm, MiniMax2, Sigmoid).
-    block_m: tokens per expert block (8/16/32); default from the routing density.
+    block_m: tokens per expert block (8/16/32/64); default from the routing density.
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
 
   Returns:
