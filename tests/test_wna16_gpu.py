@@ -135,8 +135,11 @@ def _reference_batched(x, counts, w13, w2, b13, b2, *, kind, dtype):
   return jnp.where(live, y.astype(dtype).astype(jnp.float32), 0.0).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnums=tuple(range(10)))
 def _build(seed, e, h, i, group_size, dtype, act_order=False, zeros=False, bias=False,
            backend="MARLIN"):
+  """Random GPTQ experts, packed for the kernel, and the reference's dequantized weights
+  (one jit: eager packing would compile every op per shape)."""
   k13, k2, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
   g13 = _make_gemm(k13, e, 2 * i, h, group_size, act_order, zeros)
   g2 = _make_gemm(k2, e, h, i, group_size, act_order, zeros)
@@ -183,7 +186,7 @@ def test_standard_vs_reference(case):
   t, e, k, h, i, group, dtype, act_order, zeros, bias, kind = case
   seed = hash(case) % 1000
   weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
-  topk_w, topk_ids = _routing(seed, t, e, k)
+  topk_w, topk_ids = _routing(seed, t, e, k)  # fresh random routing and inputs per case
   x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
   poison = jnp.full((t, h), jnp.nan, dtype)
   run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind))
