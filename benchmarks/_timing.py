@@ -25,7 +25,8 @@ def block(value: Any) -> Any:
 
 def median_time(call: Callable[[int], Any], *, warmup: int = 2, min_repeats: int = 3,
                 max_repeats: int = 50, target_seconds: float = 1.0,
-                budget_seconds: float | None = None) -> tuple[float | None, int]:
+                budget_seconds: float | None = None,
+                all_times: list[float] | None = None) -> tuple[float | None, int]:
   """Median seconds of `call(i)` (i = 0, 1, ... so callers can vary inputs between calls).
 
   Warm-up calls (compilation included) are not timed. Timed calls continue until
@@ -34,7 +35,8 @@ def median_time(call: Callable[[int], Any], *, warmup: int = 2, min_repeats: int
   shows that `min_repeats` calls would not fit; a single call that fits is still reported.
 
   Returns:
-    (median seconds or None, number of timed calls).
+    (median seconds or None, number of timed calls); `all_times`, if given, receives every
+    timed call's seconds.
   """
   i = 0
   for _ in range(warmup):
@@ -53,6 +55,8 @@ def median_time(call: Callable[[int], Any], *, warmup: int = 2, min_repeats: int
       break
     if budget_seconds is not None and spent + elapsed > budget_seconds:
       break
+  if all_times is not None:
+    all_times.extend(times)
   return statistics.median(times), len(times)
 
 

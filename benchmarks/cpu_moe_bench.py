@@ -43,7 +43,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from benchmarks._timing import markdown_table, median_time, progress, read_bandwidth_gbps  # noqa: E402
+from benchmarks._timing import (  # noqa: E402
+    markdown_table, median_time, progress, read_bandwidth_gbps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,8 @@ class Experts:
     if self._bf16 is None:
       def dequant(q, s):
         g = q.shape[1] // s.shape[1]
-        w = q.astype(np.float32).reshape(q.shape[0], s.shape[1], g) * s.astype(np.float32)[..., None]
+        w = q.astype(np.float32).reshape(q.shape[0], s.shape[1], g)
+        w = w * s.astype(np.float32)[..., None]
         return w.reshape(q.shape).astype(ml_dtypes.bfloat16)
       s = self.shape
       w13 = np.empty((s.num_experts, 2 * s.intermediate_size, s.hidden_size), ml_dtypes.bfloat16)
@@ -322,9 +324,11 @@ def bench_shape(shape: Shape, args, bandwidth: float) -> tuple[str, list[str]]:
     x = (jax.random.normal(key, (tokens, h), jnp.float32)).astype(jnp.bfloat16)
     x32 = np.asarray(x.astype(jnp.float32))
     pick = lambda j: ring[j % len(ring)]
+    load = os.getloadavg()[0]
+    times: list[float] = []
     seconds, calls = median_time(lambda j: ours(x, pick(j)[0], pick(j)[1], p13, p2),
                                  warmup=2, min_repeats=5, max_repeats=200,
-                                 target_seconds=args.target_seconds)
+                                 target_seconds=args.target_seconds, all_times=times)
     hit = np.mean([len(np.unique(np.asarray(r[0]))) for r in ring])
     gbps = hit * expert_bytes / seconds / 1e9
     gops = int8_ops(shape, tokens) / seconds / 1e9
@@ -362,14 +366,14 @@ def bench_shape(shape: Shape, args, bandwidth: float) -> tuple[str, list[str]]:
       feeds = [{"input": x32, "router_probs": r[2]} for r in ring]
       ort_s = time_baseline("ORT QMoE", budgets["ort"], tokens,
                             lambda j: session.run(None, feeds[j % len(feeds)]), args)
-    rows.append([tokens, fmt_ms(seconds), f"{gbps:.1f}", f"{gops:.0f}",
-                 fmt_ms(ref_s), ratio(ref_s, seconds),
-                 None if xla_s is None else f"{fmt_ms(xla_s)} ({xla_name})", ratio(xla_s, seconds),
-                 fmt_ms(ort_s), ratio(ort_s, seconds)])
+    xla_cell = None if xla_s is None else f"{fmt_ms(xla_s)} ({xla_name})"
+    rows.append([tokens, f"{load:.1f}", fmt_ms(seconds), fmt_ms(min(times)), f"{gbps:.1f}",
+                 f"{gops:.0f}", fmt_ms(ref_s), ratio(ref_s, seconds), xla_cell,
+                 ratio(xla_s, seconds), fmt_ms(ort_s), ratio(ort_s, seconds)])
   experts.drop()
   del ref_weights
-  header = ["T", "ours ms", "weights GB/s", "int8 GOP/s", "jnp ref ms", "vs ref",
-            "bf16 XLA ms", "vs XLA", "ORT QMoE ms", "vs ORT"]
+  header = ["T", "load", "ours ms", "ours best ms", "weights GB/s", "int8 GOP/s", "jnp ref ms",
+            "vs ref", "bf16 XLA ms", "vs XLA", "ORT QMoE ms", "vs ORT"]
   title = (f"### {shape.name} (E={shape.num_experts}, top-{shape.top_k}, H={h}, I={i}, "
            f"group {g}; {expert_bytes / 1e6:.2f} MB packed per expert)")
   if t1_fraction is not None:
@@ -410,6 +414,7 @@ def main(argv=None) -> int:
     if b not in ("ref", "xla", "ort"):
       parser.error(f"unknown baseline {b!r}; expected some of ref,xla,ort")
 
+  command = sys.argv[1:] if argv is None else list(argv)
   from jax_moeq import _ffi
   module = _ffi.cpu_module()
   progress("measuring read bandwidth (1 GiB, 2 threads)")
@@ -419,12 +424,13 @@ def main(argv=None) -> int:
       "## CPU W4A8 fused MoE benchmark", "",
       f"- date: {started}; machine: {platform.machine()}, {os.cpu_count()} cores, kernel ISA "
       f"{module.selected_isa()} (available {module.available_isas()}); jax {jax.__version__}",
-      f"- command: `python benchmarks/cpu_moe_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+      f"- command: `python benchmarks/cpu_moe_bench.py {' '.join(command)}`",
       f"- read bandwidth (1 GiB sum, 2 threads): {bw['best']:.1f} GB/s (numpy {bw['numpy']:.1f}, "
-      f"XLA {bw['xla']:.1f}); load average at start {os.getloadavg()[0]:.1f} (other work on the "
-      "machine slows every contender)",
-      "- activations bf16 (ORT: float32, its CPU QMoE input type); times are medians; ratios are "
-      "baseline time / ours; \"—\": not measured (baseline over its time budget, or absent)",
+      f"XLA {bw['xla']:.1f})",
+      "- activations bf16 (ORT: float32, its CPU QMoE input type); times are medians (\"best\": "
+      "the fastest call); GB/s and GOP/s use the median; ratios are baseline median / ours; "
+      "\"load\": 1-minute load average when our kernel was timed (2 cores; other processes slow "
+      "every contender); \"—\": not measured (baseline over its time budget, or absent)",
       "",
   ]
   for name in args.shapes:
