@@ -415,3 +415,16 @@ def test_gpu_blocks_match_reference(scheme, group_size, act_order):
   y = nnx.jit(lambda m, x: m(x))(fast, x)
   assert y.shape == x.shape and y.dtype == jnp.bfloat16
   assert rel(y, slow(x)) <= 1e-2  # SPEC §9 bf16, same scheme
+
+
+@pytest.mark.parametrize("scheme", ["wna16", "mxint4"])
+def test_linen_weight_only_blocks_match_nnx(scheme):
+  from jax_moeq.nn import linen as L
+  moe = MoE(E, K, H, I, dtype=jnp.float32, rngs=nnx.Rngs(60))
+  variables = {"params": {"router": {"kernel": moe.router.kernel[...]}, "w13": moe.w13[...],
+                          "w2": moe.w2[...]}}
+  x = jax.random.normal(jax.random.key(61), (3, H), jnp.float32)
+  lq = L.QuantizedMoE(E, K, H, I, dtype=jnp.float32, group_size=32, scheme=scheme)
+  got = jax.jit(lq.apply)(lq.quantize_variables(variables), x)
+  want = QuantizedMoE.from_float(moe, scheme=scheme, group_size=32)(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
