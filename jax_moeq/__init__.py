@@ -33,6 +33,12 @@ from jax_moeq.ops.wna16_gpu import (
 )
 from jax_moeq.oracle.wna16 import WNA16MoeBackend, select_wna16_moe_backend
 from jax_moeq.experts.marlin import BatchedMarlinExperts, MarlinExperts, ReferenceExpertsWNA16
+# GPU MxInt4 (routing inside the kernel): the op loads the CUDA library on first call only.
+from jax_moeq.ops.mxint4_gpu import (
+    is_mxint4_moe_available, mxint4_moe, prepare_static_weights_for_mxint4_moe,
+)
+from jax_moeq.oracle.mxint4 import MxInt4MoeBackend, select_mxint4_moe_backend
+from jax_moeq.experts.mxint4 import HopperMxInt4Experts, ReferenceExpertsMxInt4
 
 # Flax blocks, checkpoint loaders/writers, sharding (issue 3). safetensors is imported lazily.
 from jax_moeq import loaders, nn, sharding
