@@ -24,6 +24,8 @@ import textwrap
 
 import pytest
 
+import jax_moeq
+
 _PRELUDE = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax_moeq.ops import w4a8_cpu as op
@@ -197,14 +199,18 @@ print("ok")
 """
 
 
-def _run(body: str):
+def _run(body: str, tmp_dir: str):
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
   env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  # The child must import the same jax_moeq as this process (the installed package in CI, the
+  # source tree with its built libraries in development), never a source tree without them: put
+  # that package's parent first on the path and run outside the repository, since `python -c`
+  # puts the working directory first.
+  package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_moeq.__file__)))
+  env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
   proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(body)], env=env,
-                        capture_output=True, text=True, timeout=600)
+                        cwd=tmp_dir, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
       f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
 
@@ -212,5 +218,5 @@ def _run(body: str):
 @pytest.mark.parametrize(
     "body", [_EP_W4A8, _EP_W4A8_BF16, _TP_W4A8, _FLOAT, _BLOCK, _ERRORS],
     ids=["ep_w4a8_f32", "ep_w4a8_bf16", "tp_w4a8", "float_ep_tp", "quantized_block", "errors"])
-def test_sharded_equals_unsharded(body):
-  _run(body)
+def test_sharded_equals_unsharded(body, tmp_path):
+  _run(body, str(tmp_path))
