@@ -31,7 +31,6 @@ functions:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moeq import routing as routing_lib
-from jax_moeq.ops import wna16_gpu
+from jax_moeq.ops import _gpu_launch, wna16_gpu
 from jax_moeq.routing import RoutingMethodType
 
 Array = jax.Array
@@ -53,9 +52,6 @@ SUPPORTED_ROUTING_METHODS = tuple(m for m in RoutingMethodType
 MAX_EXPERTS = 1024  # the routing kernel keeps 32 experts per lane
 MAX_TOP_K = 32
 MAX_EXPERT_GROUPS = 32
-_NUM_SMS = 132  # H100 SXM; steers only the split-K heuristic
-_TARGET_WARPS = _NUM_SMS * 16
-_MAX_WORKSPACE_BYTES = 1 << 28
 
 WEIGHT_KEYS = ("gemm1_weights", "gemm1_scales", "gemm2_weights", "gemm2_scales")
 
@@ -221,23 +217,6 @@ def unpack_mxint4_moe_weights(prepared: dict[str, Array]) -> tuple[Array, Array,
 
 
 # ------------------------------------------------------------------ the op
-def _choose_block_m(pairs_per_expert: float) -> int:
-  # block_m 64 (MT 8, 197 registers) measured slower than 32 on H100 at 64+ pairs per expert
-  # (Qwen3 T=1024: 854 vs 631 us; Mixtral T=4096: 18.5 vs 15.2 ms), so "auto" stops at 32.
-  for bm in (8, 16):
-    if pairs_per_expert <= bm:
-      return bm
-  return 32
-
-
-def _choose_split(busy_blocks: int, units: int, chunks: int, ws_bytes: int) -> int:
-  """Split-K factor so that about _TARGET_WARPS warps stream weights (each >= 4 chunks)."""
-  if ws_bytes > _MAX_WORKSPACE_BYTES:
-    return 1
-  warps = max(1, busy_blocks * units)
-  return max(1, min(math.ceil(_TARGET_WARPS / warps), chunks // 4))
-
-
 def _max_padded(pairs: int, local_experts: int, block_m: int) -> int:
   padded = pairs + min(pairs, local_experts) * (block_m - 1)
   return max(block_m, -(-padded // block_m) * block_m)
@@ -331,14 +310,14 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   pairs = t * top_k
   local_pairs = pairs * el / num_experts  # expected, for the heuristics
   if block_m is None:
-    block_m = _choose_block_m(local_pairs / max(1.0, min(el, local_pairs)))
+    block_m = _gpu_launch.choose_block_m(local_pairs / max(1.0, min(el, local_pairs)))
   if block_m not in (8, 16, 32, 64):
     raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
   padded = _max_padded(pairs, el, block_m)
   blocks = padded // block_m
-  busy = min(blocks, max(1, math.ceil(local_pairs / block_m) + min(el, math.ceil(local_pairs))))
-  split13 = _choose_split(busy, i // 16, h // 64, pairs * 2 * i * 4)
-  split2 = _choose_split(busy, h // 32, i // 64, 0)
+  busy = min(blocks, _gpu_launch.expected_busy_blocks(local_pairs, el, block_m))
+  split13 = _gpu_launch.choose_split(busy, i // 16, h // 64, block_m, pairs * 2 * i * 4)
+  split2 = _gpu_launch.choose_split(busy, h // 32, i // 64, block_m, 0)
   has_bias = e_score_correction_bias is not None
   bias = (jnp.asarray(e_score_correction_bias, jnp.float32).reshape(num_experts) if has_bias
           else jnp.zeros((1,), jnp.float32))

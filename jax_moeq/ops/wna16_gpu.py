@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moeq.ops import _gpu_launch
 from jax_moeq.quant import int4
 
 Array = jax.Array
@@ -38,9 +37,6 @@ FFI_TARGET = "jax_moeq_wna16_moe_cuda"
 FFI_TARGET_INTO = "jax_moeq_wna16_moe_cuda_into"
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 ACTIVATION_KINDS = (0, 1, 2)
-_NUM_SMS = 132  # H100 SXM; only steers the split-K heuristic.
-_TARGET_WARPS = _NUM_SMS * 16
-_MAX_WORKSPACE_BYTES = 1 << 28
 
 
 class Wna16Format(enum.Enum):
@@ -307,19 +303,7 @@ def pack_wna16_from_int4(w13: Array, w2: Array, w13_scale: Array, w2_scale: Arra
 
 # ------------------------------------------------------------------ the op
 def _choose_block_m(rows: int, experts: int) -> int:
-  per_expert = rows / max(1, min(experts, rows))
-  for bm in (8, 16, 32):
-    if per_expert <= bm:
-      return bm
-  return 64
-
-
-def _choose_split(blocks: int, units: int, chunks: int, ws_bytes: int) -> int:
-  if ws_bytes > _MAX_WORKSPACE_BYTES:
-    return 1
-  warps = max(1, blocks * units)
-  split = max(1, min(math.ceil(_TARGET_WARPS / warps), chunks // 4))
-  return split
+  return _gpu_launch.choose_block_m(rows / max(1, min(experts, rows)))
 
 
 def _max_padded(rows: int, experts: int, block_m: int, batched: bool, max_tokens: int) -> int:
@@ -357,9 +341,10 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
     raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
   padded = max(block_m, _max_padded(rows, e, block_m, batched, max_tokens))
   blocks = padded // block_m
-  busy_blocks = min(blocks, max(1, math.ceil(rows / block_m) + min(e, rows)))
-  split13 = _choose_split(busy_blocks, i // 16, h // 64, rows * 2 * i * 4)
-  split2 = _choose_split(busy_blocks, h // 32, i // 64, 0)
+  busy_blocks = (blocks if batched else
+                 min(blocks, _gpu_launch.expected_busy_blocks(rows, e, block_m)))
+  split13 = _gpu_launch.choose_split(busy_blocks, i // 16, h // 64, block_m, rows * 2 * i * 4)
+  split2 = _gpu_launch.choose_split(busy_blocks, h // 32, i // 64, block_m, 0)
   dt = x.dtype
   out_shape = x.shape
   results = [

@@ -1,0 +1,92 @@
+"""Launch shapes of the shared int4 MoE GEMM core on the GPU (WNA16 and MxInt4): block_m (tokens
+per expert block) and the split-K factor, from static shapes at trace time.
+
+The GEMM grid is (expert blocks, ceil(units / 8) CTAs of 8 warps, split). Registers decide how many
+CTAs an SM holds (ptxas, sm_90a: block_m 8 / 16 / 32 use 102 / 100 / 118 registers -> 2 CTAs of
+256 threads; block_m 64 uses 197 -> 1), so a "wave" is num_sms * ctas_per_sm CTAs.
+
+Split-K is chosen against a wave model (`_launch_cost`): every CTA of a launch does the same work
+(ceil(chunks / split) 64-deep chunks); a full wave streams at full bandwidth, a partial wave (or a
+launch smaller than a wave) at a rate that falls once it holds too few CTAs to keep HBM busy; ties
+go to the smaller split (split-K adds f32 atomics and, for GEMM1, a finalize launch). Why: ncu on
+an H100 (2026-11-23, base clocks), Mixtral T=1: GEMM2 at split 9 = 288 CTAs (1.09 waves) took
+52 us for 59 MB (1.1 TB/s) while GEMM1 moved 1.45 TB/s. The rule before
+this one aimed at "about 16 warps per SM" whatever the waves came to.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+WARPS_PER_CTA = 8  # kWarpsPerCta of csrc/cuda/{wna16,mxint4}_moe.cu
+MIN_CHUNKS_PER_SPLIT = 4  # a split streams at least 4 chunks (one MT=1 pipeline stage)
+MAX_WORKSPACE_BYTES = 1 << 28  # split-K of GEMM1 needs an f32 [rows, 2I] workspace
+DEFAULT_NUM_SMS = 132  # H100 SXM, when no GPU is visible at trace time
+# Fraction of a wave whose loads in flight saturate HBM (an estimate: 8 warps per SM with 4 chunks
+# of weights each, 32 KB, against ~3 TB/s x ~1.5 us / 132 SMs by Little's law). A partial last wave
+# below it runs at that rate anyway, so 1.1 waves cost ~1.5, not 2.
+SATURATING_FRACTION = 0.5
+
+
+@functools.cache
+def num_sms() -> int:
+  """Multiprocessors of the first visible CUDA device (132 when none is visible)."""
+  import jax
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return DEFAULT_NUM_SMS
+  count = getattr(devices[0], "core_count", None) if devices else None
+  return int(count) if count else DEFAULT_NUM_SMS
+
+
+def ctas_per_sm(block_m: int) -> int:
+  return 1 if block_m >= 64 else 2
+
+
+def choose_block_m(pairs_per_expert: float) -> int:
+  """Smallest block of 8 / 16 rows that holds an expert's expected pairs, else 32.
+
+  block_m 64 (MT 8, 197 registers, one CTA per SM) measured slower than 32 on an H100 wherever
+  it was chosen: MxInt4 Qwen3 T=1024 854 vs 631 us, Mixtral T=4096 18.5 vs 15.2 ms; WNA16
+  Mixtral T=4096 18.2 ms (64) vs 15.1 ms (32). It stays available as an explicit block_m.
+  """
+  for bm in (8, 16):
+    if pairs_per_expert <= bm:
+      return bm
+  return 32
+
+
+def _launch_cost(ctas: int, chunks_per_cta: int, wave: int) -> int:
+  """Time of a memory-bound launch in units of one CTA slot streaming one chunk: each wave moves
+  its CTAs' chunks at a rate that grows with its CTAs up to SATURATING_FRACTION of a wave."""
+  full, rest = divmod(ctas, wave)
+  saturating = max(1, int(wave * SATURATING_FRACTION))
+  return chunks_per_cta * (full * wave + (max(rest, saturating) if rest else 0))
+
+
+def expected_busy_blocks(pairs: float, experts: int, block_m: int) -> int:
+  """Expert blocks with work, expected: one per expert hit, at least pairs / block_m."""
+  return max(1, math.ceil(pairs / block_m), math.ceil(min(experts, pairs)))
+
+
+def choose_split(busy_blocks: int, units: int, chunks: int, block_m: int, ws_bytes: int) -> int:
+  """Split-K factor of one GEMM: `busy_blocks` expert blocks with work, `units` warps of work per
+  block along N, `chunks` 64-deep chunks along K.
+
+  1 when the unsplit launch already spans two waves (the tail costs at most ~25 % there, less than
+  split-K's f32 workspace traffic) or when the f32 workspace would be too large.
+  """
+  ctas = max(1, busy_blocks) * -(-units // WARPS_PER_CTA)
+  wave = num_sms() * ctas_per_sm(block_m)
+  if ws_bytes > MAX_WORKSPACE_BYTES or ctas >= 2 * wave:
+    return 1
+  best_cost, best_split = None, 1
+  for split in range(1, max(1, chunks // MIN_CHUNKS_PER_SPLIT) + 1):
+    per_cta = -(-chunks // split)
+    live = -(-chunks // per_cta)  # splits that get chunks at all
+    cost = _launch_cost(ctas * live, per_cta, wave)
+    if best_cost is None or cost < best_cost:  # ties keep the smaller split (fewer atomics)
+      best_cost, best_split = cost, live
+  return best_split
