@@ -225,14 +225,40 @@ static __global__ void __launch_bounds__(1024)
     if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int offset = 0;
-    for (int e = 0; e < experts; ++e) {
-      cursor[e] = offset;
-      offset += (counts[e] + block_m - 1) / block_m * block_m;
-    }
-    *num_post_padded = offset;
+  // Exclusive prefix sum of the padded counts, block-wide (a serial loop over E in one thread
+  // took ~8 us of a 13 us launch at E=128). Thread i owns experts [i*per, (i+1)*per).
+  __shared__ int32_t warp_sums[32];
+  const int per = (experts + blockDim.x - 1) / blockDim.x;
+  const int own_begin = min(experts, static_cast<int>(threadIdx.x) * per);
+  const int own_end = min(experts, own_begin + per);
+  int own = 0;
+  for (int e = own_begin; e < own_end; ++e) own += (counts[e] + block_m - 1) / block_m * block_m;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = own;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
   }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = blockDim.x >> 5;
+    int w = lane < warps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  int offset = inclusive - own + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int e = own_begin; e < own_end; ++e) {
+    cursor[e] = offset;
+    offset += (counts[e] + block_m - 1) / block_m * block_m;
+  }
+  if (threadIdx.x == blockDim.x - 1) *num_post_padded = offset;  // the last thread ends at the total
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
     const int first = cursor[e] / block_m;
