@@ -186,13 +186,32 @@ def test_model_shapes(name, e, k, h, i, method, t):
   assert _rel(out, ref) <= TOL
 
 
-@pytest.mark.parametrize("block_m", [8, 16, 32, 64])
-def test_block_sizes(block_m):
+@pytest.mark.parametrize("block_m,mainloop", [
+    (8, "registers"), (16, "registers"), (32, "registers"), (64, "registers"),
+    (8, "async_ring"), (16, "async_ring")])
+def test_block_sizes(block_m, mainloop):
   e, k, h, i, t = 16, 2, 256, 192, 100
   prepared, canon = _experts(block_m, e, h, i)
   x, logits, _ = _inputs(block_m, t, e, h)
-  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.TopK, block_m=block_m)
+  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
+  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.TopK, block_m=block_m,
+                   mainloop=mainloop, out_init=poison)
+  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), "unwritten outputs"
   ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.TopK)
+  assert _rel(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_async_ring_on_decode_shapes(t):
+  """The cp.async main loop (block_m 8/16) on a Qwen3-30B-A3B-shaped layer, split-K included."""
+  e, k, h, i = 128, 8, 2048, 768
+  prepared, canon = _experts(t + 5, e, h, i)
+  x, logits, _ = _inputs(t + 5, t, e, h)
+  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
+  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
+                   mainloop="async_ring", out_init=poison)
+  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), "unwritten outputs"
+  ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.Renormalize)
   assert _rel(out, ref) <= TOL
 
 
@@ -214,7 +233,7 @@ def test_handler_rejects_bad_buffers():
   attrs = dict(top_k=np.int64(k), intermediate_size=np.int64(i), local_expert_offset=np.int64(0),
                routing_method=np.int64(3), num_expert_group=np.int64(1), topk_group=np.int64(1),
                routed_scaling_factor=np.float32(1), has_bias=False, block_m=np.int64(8),
-               split13=np.int64(1), split2=np.int64(1))
+               split13=np.int64(1), split2=np.int64(1), mainloop=np.int64(0))
   with pytest.raises(Exception, match="Llama4 routing needs top_k == 1"):
     jax.block_until_ready(call(x, logits, jnp.zeros((1,), jnp.float32),
                                *[prepared[n] for n in mxint4_gpu.WEIGHT_KEYS], **attrs))

@@ -209,6 +209,52 @@ def test_block_sizes_agree(block_m):
   assert _rel(got.astype(jnp.float32), want) <= TOL
 
 
+# The cp.async main loop: block_m 8 and 16 only; split-K (T=1, wide K) and the activation
+# epilogue, act-order, zero points, bias, both dtypes and the batched format.
+# (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation, block_m)
+ASYNC_RING_CASES = [
+    (1, 8, 2, 4096, 1024, 128, jnp.bfloat16, False, False, False, 0, 8),
+    (3, 8, 2, 1024, 256, 32, jnp.float16, False, True, True, 1, 8),
+    (16, 64, 8, 2048, 768, 64, jnp.bfloat16, True, False, True, 0, 16),
+    (64, 8, 2, 256, 2048, -1, jnp.float16, False, False, False, 2, 16),
+]
+
+
+@pytest.mark.parametrize("case", ASYNC_RING_CASES, ids=lambda c: "T{}_E{}_H{}_I{}_g{}_{}_bm{}".format(
+    c[0], c[1], c[3], c[4], c[5], jnp.dtype(c[6]).name, c[11]))
+def test_async_ring_mainloop(case):
+  t, e, k, h, i, group, dtype, act_order, zeros, bias, kind, block_m = case
+  seed = hash(case) % 1000
+  weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
+  topk_w, topk_ids = _routing(seed, t, e, k)
+  x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
+  poison = jnp.full((t, h), jnp.nan, dtype)
+  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind,
+                                  block_m=block_m, mainloop="async_ring"))
+  got = np.asarray(run(x, weights, topk_w, topk_ids, out_init=poison).astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
+  assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
+  registers = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=kind,
+                                         block_m=block_m, mainloop="registers")
+  # Same products in the same order; only split-K's f32 atomics may add in another order.
+  assert _rel(got, registers.astype(jnp.float32)) <= 1e-2
+
+
+def test_async_ring_batched():
+  e, m, h, i = 8, 16, 1024, 256
+  weights, (w13, w2, b13, b2) = _build(21, e, h, i, 128, jnp.bfloat16, backend="BATCHED_MARLIN")
+  counts = jnp.array([16, 0, 3, 16, 7, 1, 12, 5], jnp.int32)
+  x = jax.random.normal(jax.random.PRNGKey(22), (e, m, h), jnp.float32).astype(jnp.bfloat16)
+  poison = jnp.full(x.shape, jnp.nan, jnp.bfloat16)
+  got = jax.jit(functools.partial(wna16_gpu.batched_fused_marlin_moe, mainloop="async_ring"))(
+      x, counts, weights, out_init=poison)
+  got = np.asarray(got.astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  assert _rel(got, _reference_batched(x, counts, w13, w2, b13, b2, kind=0,
+                                      dtype=jnp.bfloat16)) <= TOL
+
+
 BATCHED_CASES = [
     (8, 16, 256, 256, 128, jnp.bfloat16, False, False),
     (64, 3, 1024, 256, 32, jnp.float16, False, True),

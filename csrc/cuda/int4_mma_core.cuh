@@ -84,6 +84,38 @@ __device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
   return v;
 }
 
+// cp.async (sm_80+): 16-byte copies global -> shared that complete asynchronously, in
+// per-thread groups. "memory" clobbers keep ordinary shared loads on the right side of them.
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Streaming weights: bypass L1 (.cg).
+__device__ __forceinline__ void CpAsyncStream16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(smem)), "l"(gmem)
+               : "memory");
+}
+
+// Activations, shared by the CTA's warps through L1 (.ca); zero-filled when !valid (no read).
+__device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(SharedAddress(smem)),
+               "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SharedAddress(smem)), "l"(gmem)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // Dequantizes one word (the A fragment of one k-step) into four registers:
 // (nibble + magic - zero_magic) * scale, exact before the one rounding of the
 // product, so each value equals round_to_T(q * s) as in the reference.

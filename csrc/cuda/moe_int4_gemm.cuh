@@ -19,6 +19,14 @@ enum class EpilogueKind {
   kActivation  // GEMM1, split == 1: bias, round, activation, round -> act[id][col]
 };
 
+// How the GEMM's main loop feeds the tensor cores:
+//  kRegisters: each warp loads a stage of ChunksPerStage<MT>() chunks into registers, then
+//              computes it (no loads in flight while it computes).
+//  kAsyncRing: each thread copies its own weight, activation and scale pieces AsyncDepth<MT>()
+//              chunks ahead into private shared-memory slots with cp.async, so loads stay in
+//              flight during the math and no registers hold them (block_m 8 and 16 only).
+enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1 };
+
 struct MoeGemmArgs {
   const void* x = nullptr;       // rows of T, row stride ld_x (elements)
   int64_t ld_x = 0;
@@ -40,6 +48,7 @@ struct MoeGemmArgs {
   const int32_t* act_col = nullptr;  // [E][n/2]: output column of act (act-order), or null
   const float* bias = nullptr;   // [E][n] or null
   int activation = 0;
+  GemmMainloop mainloop = GemmMainloop::kRegisters;
 };
 
 __device__ __forceinline__ float ApplyActivation(int kind, float gate, float up) {
@@ -64,8 +73,34 @@ __host__ __device__ constexpr int ChunksPerStage() {
   return MT == 1 ? 4 : (MT == 2 ? 2 : 1);  // MT 4 and 8: one chunk, registers are full
 }
 
-template <typename T, NibbleCode kCode, int MT>
+// kAsyncRing: chunks in flight per thread and the shared memory that takes.
+template <int MT>
+__host__ __device__ constexpr int AsyncDepth() {
+  return MT == 1 ? 5 : 4;
+}
+template <int MT>
+__host__ __device__ constexpr int AsyncVecsPerChunk() {
+  return 2 + 2 * MT;  // two weight subtiles, then two 16-byte activation halves per token tile
+}
+constexpr int kAsyncWordsPerChunk = 4;  // scale of each subtile, then zero point of each
+template <int MT>
+__host__ __device__ constexpr int AsyncSmemBytes(int threads) {
+  // block_m 8: 100 KB, 16: 112 KB per 256-thread CTA; two CTAs still fit an SM (228 KB).
+  return threads * AsyncDepth<MT>() * (AsyncVecsPerChunk<MT>() * 16 + kAsyncWordsPerChunk * 4);
+}
+
+// Scale and magic + zero point of one subtile's group, both halves (rows g and g + 8).
+template <typename T>
+__device__ __forceinline__ uint32_t ZeroMagic(const uint32_t* zp_word) {
+  using T2 = typename HalfType<T>::T2;
+  if (zp_word == nullptr) return HalfType<T>::kMagicPlus8;
+  return AsBits(__hadd2(AsHalf2<T2>(*zp_word), AsHalf2<T2>(HalfType<T>::kMagic)));
+}
+
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters>
 __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
+  static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 2,
+                "the cp.async ring holds block_m 8 and 16 only");
   constexpr int kNsub = 2;
   constexpr int kStage = ChunksPerStage<MT>();
   const int blk = blockIdx.x;
@@ -113,45 +148,109 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[j][m][c] = 0.0f;
 
-  for (int kc = kc_begin; kc < kc_end; kc += kStage) {
-    uint4 wv[kStage][kNsub];
-    uint4 xv[kStage][MT][2];
+  if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
+    // Thread-private slots, interleaved by thread so a warp's 16-byte accesses are conflict-free:
+    // vec (stage s, item q) at vecs[(s * kVecs + q) * threads + tid], words likewise.
+    constexpr int kDepth = AsyncDepth<MT>();
+    constexpr int kVecs = AsyncVecsPerChunk<MT>();
+    extern __shared__ __align__(16) uint4 ring_smem[];
+    const int threads = blockDim.x, tid = threadIdx.x;
+    uint4* vecs = ring_smem;
+    uint32_t* words = reinterpret_cast<uint32_t*>(ring_smem + kDepth * kVecs * threads);
+    auto vec = [&](int stage, int q) -> uint4* { return vecs + (stage * kVecs + q) * threads + tid; };
+    auto word = [&](int stage, int q) -> uint32_t* {
+      return words + (stage * kAsyncWordsPerChunk + q) * threads + tid;
+    };
+    auto issue = [&](int kc, int stage) {
 #pragma unroll
-    for (int u = 0; u < kStage; ++u) {
-      const bool live = kc + u < kc_end;
-#pragma unroll
-      for (int j = 0; j < kNsub; ++j) {
-        wv[u][j] = live ? LoadStreaming(wp[j] + (kc + u) * 32) : make_uint4(0, 0, 0, 0);
-      }
+      for (int j = 0; j < kNsub; ++j) CpAsyncStream16(vec(stage, j), wp[j] + kc * 32);
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          xv[u][m][h] = (live && xvalid[m])
-                            ? __ldg(reinterpret_cast<const uint4*>(xrow[m] + (kc + u) * 64 + 8 * h))
-                            : make_uint4(0, 0, 0, 0);
+          const T* src = xvalid[m] ? xrow[m] + kc * 64 + 8 * h : xrow[m];
+          CpAsync16OrZero(vec(stage, kNsub + 2 * m + h), src, xvalid[m]);
         }
       }
-    }
-#pragma unroll
-    for (int u = 0; u < kStage; ++u) {
-      if (kc + u >= kc_end) break;
-      const int group = ((kc + u) * 64 + 16 * t) / group_chunks;
-      uint32_t scale[kNsub], zero_magic[kNsub];
+      const int group = (kc * 64 + 16 * t) / group_chunks;
 #pragma unroll
       for (int j = 0; j < kNsub; ++j) {
         const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
-        scale[j] = __ldg(sp + off);
-        if (zp) {
-          using T2 = typename HalfType<T>::T2;
-          zero_magic[j] = AsBits(__hadd2(AsHalf2<T2>(__ldg(zp + off)),
-                                         AsHalf2<T2>(HalfType<T>::kMagic)));
-        } else {
-          zero_magic[j] = HalfType<T>::kMagicPlus8;
+        CpAsync4(word(stage, j), sp + off);
+        if (zp) CpAsync4(word(stage, kNsub + j), zp + off);
+      }
+    };
+    const int n_chunks = kc_end - kc_begin;
+#pragma unroll
+    for (int s = 0; s < kDepth - 1; ++s) {
+      if (s < n_chunks) issue(kc_begin + s, s);
+      CpAsyncCommit();
+    }
+    for (int c = 0; c < n_chunks; ++c) {
+      // The slot refilled here was read (into registers) by this thread in iteration c - 1.
+      const int ahead = c + kDepth - 1;
+      if (ahead < n_chunks) issue(kc_begin + ahead, ahead % kDepth);
+      CpAsyncCommit();
+      CpAsyncWait<kDepth - 1>();  // groups 0..c are complete: chunk c has landed
+      const int stage = c % kDepth;
+      uint4 wv[kNsub];
+      uint4 xv[MT][2];
+      uint32_t scale[kNsub], zero_magic[kNsub];
+#pragma unroll
+      for (int j = 0; j < kNsub; ++j) {
+        wv[j] = *vec(stage, j);
+        scale[j] = *word(stage, j);
+        zero_magic[j] = ZeroMagic<T>(zp ? word(stage, kNsub + j) : nullptr);
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        xv[m][0] = *vec(stage, kNsub + 2 * m);
+        xv[m][1] = *vec(stage, kNsub + 2 * m + 1);
+      }
+      MmaChunk<T, kCode, kNsub, MT>(wv, xv, scale, zero_magic, acc);
+    }
+  } else {
+    for (int kc = kc_begin; kc < kc_end; kc += kStage) {
+      uint4 wv[kStage][kNsub];
+      uint4 xv[kStage][MT][2];
+  #pragma unroll
+      for (int u = 0; u < kStage; ++u) {
+        const bool live = kc + u < kc_end;
+  #pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          wv[u][j] = live ? LoadStreaming(wp[j] + (kc + u) * 32) : make_uint4(0, 0, 0, 0);
+        }
+  #pragma unroll
+        for (int m = 0; m < MT; ++m) {
+  #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            xv[u][m][h] = (live && xvalid[m])
+                              ? __ldg(reinterpret_cast<const uint4*>(xrow[m] + (kc + u) * 64 + 8 * h))
+                              : make_uint4(0, 0, 0, 0);
+          }
         }
       }
-      MmaChunk<T, kCode, kNsub, MT>(wv[u], xv[u], scale, zero_magic, acc);
+  #pragma unroll
+      for (int u = 0; u < kStage; ++u) {
+        if (kc + u >= kc_end) break;
+        const int group = ((kc + u) * 64 + 16 * t) / group_chunks;
+        uint32_t scale[kNsub], zero_magic[kNsub];
+  #pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
+          scale[j] = __ldg(sp + off);
+          if (zp) {
+            using T2 = typename HalfType<T>::T2;
+            zero_magic[j] = AsBits(__hadd2(AsHalf2<T2>(__ldg(zp + off)),
+                                           AsHalf2<T2>(HalfType<T>::kMagic)));
+          } else {
+            zero_magic[j] = HalfType<T>::kMagicPlus8;
+          }
+        }
+        MmaChunk<T, kCode, kNsub, MT>(wv[u], xv[u], scale, zero_magic, acc);
+      }
     }
+
   }
 
   // Epilogue. Thread (g, t) holds rows g (c = 0, 1) and g + 8 (c = 2, 3) of
@@ -295,6 +394,56 @@ static __global__ void AlignBatchedKernel(const int32_t* expert_num_tokens, int 
   const int count = min(max(expert_num_tokens[e], 0), max_tokens);
   sorted_ids[i] = m < count ? e * max_tokens + m : experts * max_tokens;
   if (i % block_m == 0) expert_ids[b] = e;
+}
+
+// Host side: one launch of the GEMM for args.block_m and args.mainloop, CTAs of kGemmWarps
+// warps. kAsyncRing applies to block_m 8 and 16 (larger blocks use kRegisters).
+constexpr int kGemmWarps = 8;
+
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop>
+void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  const dim3 grid(max_blocks, (args.units + kGemmWarps - 1) / kGemmWarps, args.splits);
+  const int threads = kGemmWarps * 32;
+  int smem = 0;
+  if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
+    smem = AsyncSmemBytes<MT>(threads);
+    // Above 48 KB needs an opt-in; once per instantiation (not a stream operation, so it is
+    // also fine while XLA captures a command buffer).
+    static const cudaError_t opt_in = [&] {
+      auto kernel = MoeInt4GemmKernel<T, kCode, MT, kMainloop>;
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (e == cudaSuccess) {
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      }
+      return e;
+    }();
+    if (opt_in != cudaSuccess) return;  // the launch below would fail; CudaError reports it
+  }
+  MoeInt4GemmKernel<T, kCode, MT, kMainloop><<<grid, threads, smem, stream>>>(args);
+}
+
+template <typename T, NibbleCode kCode>
+void LaunchMoeInt4Gemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  const bool ring = args.mainloop == GemmMainloop::kAsyncRing;
+  switch (args.block_m) {
+    case 8:
+      if (ring) {
+        LaunchMoeInt4GemmFor<T, kCode, 1, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+      } else {
+        LaunchMoeInt4GemmFor<T, kCode, 1, GemmMainloop::kRegisters>(args, max_blocks, stream);
+      }
+      break;
+    case 16:
+      if (ring) {
+        LaunchMoeInt4GemmFor<T, kCode, 2, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+      } else {
+        LaunchMoeInt4GemmFor<T, kCode, 2, GemmMainloop::kRegisters>(args, max_blocks, stream);
+      }
+      break;
+    case 32: LaunchMoeInt4GemmFor<T, kCode, 4, GemmMainloop::kRegisters>(args, max_blocks, stream); break;
+    default: LaunchMoeInt4GemmFor<T, kCode, 8, GemmMainloop::kRegisters>(args, max_blocks, stream); break;
+  }
 }
 
 }  // namespace jax_moeq::cuda

@@ -11,7 +11,6 @@ namespace jax_moeq::cuda {
 namespace {
 
 using Bf16 = __nv_bfloat16;
-constexpr int kWarpsPerCta = 8;
 constexpr int kGroupSize = 32;
 constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
@@ -48,22 +47,6 @@ std::string CudaError(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) return "";
   return std::string(what) + ": " + cudaGetErrorString(err);
-}
-
-template <int MT>
-void LaunchGemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  const dim3 grid(max_blocks, (args.units + kWarpsPerCta - 1) / kWarpsPerCta, args.splits);
-  MoeInt4GemmKernel<Bf16, NibbleCode::kSignedInt4, MT>
-      <<<grid, kWarpsPerCta * 32, 0, stream>>>(args);
-}
-
-void LaunchGemmForBlock(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  switch (args.block_m) {
-    case 8: LaunchGemm<1>(args, max_blocks, stream); break;
-    case 16: LaunchGemm<2>(args, max_blocks, stream); break;
-    case 32: LaunchGemm<4>(args, max_blocks, stream); break;
-    default: LaunchGemm<8>(args, max_blocks, stream); break;
-  }
 }
 
 bool IsSupportedRouting(int method) {
@@ -133,6 +116,7 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
     return "block_m must be 8, 16, 32 or 64";
   }
   if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
+  if (p.mainloop != 0 && p.mainloop != 1) return "mainloop must be 0 (registers) or 1 (async ring)";
   if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
     return "problem too large for 32-bit row indexing";
   }
@@ -188,6 +172,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g1.bias = nullptr;
   g1.activation = 0;
   g1.act = p.act;
+  g1.mainloop = static_cast<GemmMainloop>(p.mainloop);
   g1.act_col = nullptr;
   if (p.split13 > 1) {
     g1.epilogue = EpilogueKind::kF32Store;
@@ -195,7 +180,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  LaunchGemmForBlock(g1, max_blocks, stream);
+  LaunchMoeInt4Gemm<Bf16, NibbleCode::kSignedInt4>(g1, max_blocks, stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -222,7 +207,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;  // zeroed by the alignment launch when split
-  LaunchGemmForBlock(g2, max_blocks, stream);
+  LaunchMoeInt4Gemm<Bf16, NibbleCode::kSignedInt4>(g2, max_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 

@@ -9,7 +9,6 @@
 namespace jax_moeq::cuda {
 namespace {
 
-constexpr int kWarpsPerCta = 8;
 constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
 // act-order: x_perm[id][j] = x[id / in_div][perm[e][j]], e the row's expert.
@@ -93,22 +92,6 @@ std::string CudaError(const char* what) {
   return std::string(what) + ": " + cudaGetErrorString(err);
 }
 
-template <typename T, int MT>
-void LaunchGemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  const dim3 grid(max_blocks, (args.units + kWarpsPerCta - 1) / kWarpsPerCta, args.splits);
-  MoeInt4GemmKernel<T, NibbleCode::kUint4b8, MT><<<grid, kWarpsPerCta * 32, 0, stream>>>(args);
-}
-
-template <typename T>
-void LaunchGemmForBlock(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  switch (args.block_m) {
-    case 8: LaunchGemm<T, 1>(args, max_blocks, stream); break;
-    case 16: LaunchGemm<T, 2>(args, max_blocks, stream); break;
-    case 32: LaunchGemm<T, 4>(args, max_blocks, stream); break;
-    default: LaunchGemm<T, 8>(args, max_blocks, stream); break;
-  }
-}
-
 template <typename T>
 std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int64_t rows = Wna16MoeRows(p);
@@ -178,13 +161,14 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g1.activation = p.activation;
   g1.act = p.act;
   g1.act_col = p.act_order ? p.inv_perm2 : nullptr;
+  g1.mainloop = static_cast<GemmMainloop>(p.mainloop);
   if (p.split13 > 1) {
     g1.epilogue = EpilogueKind::kF32Store;
     g1.ws = p.ws13;  // zeroed by the alignment launch
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  LaunchGemmForBlock<T>(g1, static_cast<int>(max_blocks), stream);
+  LaunchMoeInt4Gemm<T, NibbleCode::kUint4b8>(g1, static_cast<int>(max_blocks), stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -217,7 +201,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.ws = p.ws2;
   g2.bias = nullptr;
   g2.act_col = nullptr;
-  LaunchGemmForBlock<T>(g2, static_cast<int>(max_blocks), stream);
+  LaunchMoeInt4Gemm<T, NibbleCode::kUint4b8>(g2, static_cast<int>(max_blocks), stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 
@@ -269,6 +253,7 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
     return "w2 scale groups must divide the intermediate size into groups of a multiple of 16";
   }
   if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
+  if (p.mainloop != 0 && p.mainloop != 1) return "mainloop must be 0 (registers) or 1 (async ring)";
   if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
   if (p.top_k < 1) return "top_k must be >= 1";
   if (Wna16MoeRows(p) >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {

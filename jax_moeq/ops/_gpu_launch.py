@@ -29,6 +29,20 @@ DEFAULT_NUM_SMS = 132  # H100 SXM, when no GPU is visible at trace time
 SATURATING_FRACTION = 0.5
 
 
+# GEMM main loops (GemmMainloop in csrc/cuda/moe_int4_gemm.cuh). "async_ring" streams each thread's
+# pieces through a cp.async ring in shared memory and applies to block_m 8 and 16 (larger blocks
+# keep "registers"); it is not the default until an H100 run has checked and timed it.
+MAINLOOPS = {"registers": 0, "async_ring": 1}
+DEFAULT_MAINLOOP = "registers"
+
+
+def mainloop_code(mainloop: str | None) -> int:
+  name = DEFAULT_MAINLOOP if mainloop is None else mainloop
+  if name not in MAINLOOPS:
+    raise ValueError(f"mainloop must be one of {sorted(MAINLOOPS)}, got {mainloop!r}")
+  return MAINLOOPS[name]
+
+
 @functools.cache
 def num_sms() -> int:
   """Multiprocessors of the first visible CUDA device (132 when none is visible)."""

@@ -259,7 +259,7 @@ def _validate_routing(router_logits, top_k, routing_method, num_expert_group, to
 def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *, num_experts,
                  top_k, intermediate_size, local_num_experts, ep_rank, num_expert_group,
                  topk_group, e_score_correction_bias, routed_scaling_factor, routing_method,
-                 block_m, out_init):
+                 block_m, out_init, mainloop=None):
   """Validates, then calls the FFI target; returns (out, topk_ids, topk_weights)."""
   x = jnp.asarray(x)
   router_logits = jnp.asarray(router_logits)
@@ -313,6 +313,7 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
     block_m = _gpu_launch.choose_block_m(local_pairs / max(1.0, min(el, local_pairs)))
   if block_m not in (8, 16, 32, 64):
     raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
+  mainloop_id = _gpu_launch.mainloop_code(mainloop)
   padded = _max_padded(pairs, el, block_m)
   blocks = padded // block_m
   busy = min(blocks, _gpu_launch.expected_busy_blocks(local_pairs, el, block_m))
@@ -341,7 +342,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
                local_expert_offset=np.int64(offset), routing_method=np.int64(int(method)),
                num_expert_group=np.int64(groups), topk_group=np.int64(kept),
                routed_scaling_factor=np.float32(scale), has_bias=has_bias,
-               block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2))
+               block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2),
+               mainloop=np.int64(mainloop_id))
   if out_init is None:
     call = jax.ffi.ffi_call(FFI_TARGET, results)
   else:
@@ -362,7 +364,8 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
                e_score_correction_bias: Array | None = None,
                routed_scaling_factor: float | None = None,
                routing_method: int | RoutingMethodType = RoutingMethodType.Renormalize,
-               block_m: int | None = None, out_init: Array | None = None) -> Array:
+               block_m: int | None = None, out_init: Array | None = None,
+               mainloop: str | None = None) -> Array:
   """MxInt4 fused MoE on a Hopper GPU, routing included (the seed's
   `flashinfer_trtllm_mxint4_moe` arguments); an `ffi_call`, usable under jit.
 
@@ -385,6 +388,7 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       RenormalizeNaive, TopK, SigmoidRenorm, MiniMax2, Sigmoid).
     block_m: tokens per expert block (8/16/32/64); default from the routing density.
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
+    mainloop: GEMM main loop, "registers" (default) or "async_ring" (block_m 8/16 only).
 
   Returns:
     [T, H] bfloat16.
@@ -395,7 +399,7 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       ep_rank=ep_rank, num_expert_group=num_expert_group, topk_group=topk_group,
       e_score_correction_bias=e_score_correction_bias,
       routed_scaling_factor=routed_scaling_factor, routing_method=routing_method,
-      block_m=block_m, out_init=out_init)[0]
+      block_m=block_m, out_init=out_init, mainloop=mainloop)[0]
 
 
 def mxint4_moe_with_routing(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Array,

@@ -325,7 +325,8 @@ def _check_x_dtype(x: Array, weights: Wna16MoeWeights) -> Wna16MoeWeights:
 
 
 def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: bool,
-          activation_kind: int, block_m: int | None, out_init: Array | None):
+          activation_kind: int, block_m: int | None, out_init: Array | None,
+          mainloop: str | None = None):
   if activation_kind not in ACTIVATION_KINDS:
     raise ValueError(f"activation_kind must be one of {ACTIVATION_KINDS}, got {activation_kind}")
   from jax_moeq import _ffi
@@ -339,6 +340,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
     block_m = _choose_block_m(max_tokens, 1) if batched else _choose_block_m(rows, e)
   if block_m not in (8, 16, 32, 64):
     raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
+  mainloop_id = _gpu_launch.mainloop_code(mainloop)
   padded = max(block_m, _max_padded(rows, e, block_m, batched, max_tokens))
   blocks = padded // block_m
   busy_blocks = (blocks if batched else
@@ -365,7 +367,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       groups13=np.int64(h // weights.group_size13), groups2=np.int64(i // weights.group_size2),
       block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2),
       activation_kind=np.int64(activation_kind), has_zeros=weights.has_zeros,
-      has_bias=weights.has_bias, act_order=weights.act_order)
+      has_bias=weights.has_bias, act_order=weights.act_order, mainloop=np.int64(mainloop_id))
   if out_init is None:
     call = jax.ffi.ffi_call(FFI_TARGET, results)
   else:
@@ -388,7 +390,7 @@ def _validate_common(x, weights: Wna16MoeWeights, x_rank: int):
 
 def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, topk_ids: Array,
                      *, activation_kind: int = 0, block_m: int | None = None,
-                     out_init: Array | None = None) -> Array:
+                     out_init: Array | None = None, mainloop: str | None = None) -> Array:
   """WNA16 fused MoE on the GPU (MARLIN backend, standard format); usable under jit.
 
   Args:
@@ -399,6 +401,8 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     activation_kind: 0 silu(g)·u, 1 swigluoai, 2 silu (== 0).
     block_m: tokens per expert block (8/16/32/64); default from the routing density.
     out_init: optional buffer aliased to the output (tests poison it with NaN).
+    mainloop: GEMM main loop, "registers" (default) or "async_ring" (block_m 8/16 only; see
+      `_gpu_launch.MAINLOOPS`).
   Returns:
     [T, H] in x's dtype.
   """
@@ -413,12 +417,12 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
   weights = _check_x_dtype(x, weights)
   return _call(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), weights,
                batched=False, activation_kind=activation_kind, block_m=block_m,
-               out_init=out_init)
+               out_init=out_init, mainloop=mainloop)
 
 
 def batched_fused_marlin_moe(x: Array, expert_num_tokens: Array, weights: Wna16MoeWeights, *,
                              activation_kind: int = 0, block_m: int | None = None,
-                             out_init: Array | None = None) -> Array:
+                             out_init: Array | None = None, mainloop: str | None = None) -> Array:
   """WNA16 MoE on the batched format (BATCHED_MARLIN): x [E, M, H], counts [E] -> [E, M, H].
 
   Row m of expert e is computed when m < expert_num_tokens[e]; other rows are zero. No top-k
@@ -433,7 +437,7 @@ def batched_fused_marlin_moe(x: Array, expert_num_tokens: Array, weights: Wna16M
   weights = _check_x_dtype(x, weights)
   return _call(x, expert_num_tokens.astype(jnp.int32), jnp.zeros((1,), jnp.float32), weights,
                batched=True, activation_kind=activation_kind, block_m=block_m,
-               out_init=out_init)
+               out_init=out_init, mainloop=mainloop)
 
 
 def wna16_gpu_available() -> bool:
