@@ -89,7 +89,8 @@ __host__ __device__ constexpr int AsyncSmemBytes(int threads) {
   return threads * AsyncDepth<MT>() * (AsyncVecsPerChunk<MT>() * 16 + kAsyncWordsPerChunk * 4);
 }
 
-// Scale and magic + zero point of one subtile's group, both halves (rows g and g + 8).
+// magic + zero point of one subtile's group in both halves (rows g and g + 8); magic + 8
+// (uint4b8, and signed nibbles after their XOR) without zero points.
 template <typename T>
 __device__ __forceinline__ uint32_t ZeroMagic(const uint32_t* zp_word) {
   using T2 = typename HalfType<T>::T2;
@@ -407,18 +408,17 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
   int smem = 0;
   if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
     smem = AsyncSmemBytes<MT>(threads);
-    // Above 48 KB needs an opt-in; once per instantiation (not a stream operation, so it is
-    // also fine while XLA captures a command buffer).
-    static const cudaError_t opt_in = [&] {
+    // Above 48 KB needs an opt-in, once per instantiation (not a stream operation, so it is
+    // also fine while XLA captures a command buffer). Should it fail, the launch below fails
+    // too and the caller's cudaGetLastError reports it.
+    static const bool opted_in = [smem] {
       auto kernel = MoeInt4GemmKernel<T, kCode, MT, kMainloop>;
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (e == cudaSuccess) {
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-      }
-      return e;
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) ==
+                 cudaSuccess &&
+             cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared) == cudaSuccess;
     }();
-    if (opt_in != cudaSuccess) return;  // the launch below would fail; CudaError reports it
+    (void)opted_in;
   }
   MoeInt4GemmKernel<T, kCode, MT, kMainloop><<<grid, threads, smem, stream>>>(args);
 }
