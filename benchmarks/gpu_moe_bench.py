@@ -176,7 +176,8 @@ def main():
     ours = jax.jit(wna16_gpu.fused_marlin_moe)
     ours_multi = jax.jit(lambda x, wt, ids, w: [wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j])
                                                 for j in range(ROUTING_SETS)])
-    # The cp.async main loop (block_m 8/16, i.e. small T), timed beside the default.
+    # The cp.async main loop (block_m 8/16/32: every T with the automatic block_m), timed beside
+    # the default.
     ring_multi = jax.jit(lambda x, wt, ids, w: [
         wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j], mainloop="async_ring")
         for j in range(ROUTING_SETS)])
@@ -196,7 +197,7 @@ def main():
                           ) / ROUTING_SETS
       t_ours_1 = time_calls(lambda ids, w: ours(x, weights, w, ids), dsets)
       t_ring = None
-      if wna16_gpu._choose_block_m(t * k, e) <= 16:  # pylint: disable=protected-access
+      if wna16_gpu._choose_block_m(t * k, e) <= 32:  # pylint: disable=protected-access
         t_ring = time_calls(lambda a, b: ring_multi(x, weights, a, b), [(ids_stack, w_stack)]
                             ) / ROUTING_SETS
       if t <= 256:
@@ -229,7 +230,7 @@ def main():
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers in one jit (routing sets rotate); us1: one jit dispatch per call;"
-        " ring us: as us, mainloop='async_ring' (block_m <= 16)")
+        " ring us: as us, mainloop='async_ring' (block_m <= 32)")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'ring us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   for r in rows:

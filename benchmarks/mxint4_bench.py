@@ -123,7 +123,7 @@ def main():
       t_ours = peers.time_calls(lambda l: ours(x, l, *weights), dlogits)
       t_gpu = scanned_time(ours, x, dlogits, weights)
       t_ring = None
-      if _gpu_launch.choose_block_m(t * k / min(e, t * k)) <= 16:  # where the ring applies
+      if _gpu_launch.choose_block_m(t * k / min(e, t * k)) <= 32:  # where the ring applies
         t_ring = peers.time_calls(lambda l: ring(x, l, *weights), dlogits)
       t_ragged = None if args.no_peers else peers.time_calls(
           lambda l: ragged(x, l, w13_bf, w2_bf), dlogits, min_time=0.1, reps=3)
@@ -154,7 +154,7 @@ def main():
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print("us: per call, back-to-back jitted calls (as the peers); gpu us: per call inside one "
         "jitted lax.scan (no host dispatch); ring us: as us, mainloop='async_ring' (block_m <= "
-        "16); TB/s, %HBM, TFLOP/s from us")
+        "32); TB/s, %HBM, TFLOP/s from us")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'gpu us':>8} {'ring us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   fmt = lambda v, f: "n/a" if v is None else format(v, f)

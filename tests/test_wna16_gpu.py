@@ -209,7 +209,7 @@ def test_block_sizes_agree(block_m):
   assert _rel(got.astype(jnp.float32), want) <= TOL
 
 
-# The cp.async main loop: block_m 8 and 16 only; split-K (T=1, wide K) and the activation
+# The cp.async main loop: block_m 8, 16 and 32; split-K (T=1, wide K) and the activation
 # epilogue, act-order, zero points, bias, both dtypes and the batched format.
 # (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation, block_m)
 ASYNC_RING_CASES = [
@@ -217,6 +217,8 @@ ASYNC_RING_CASES = [
     (3, 8, 2, 1024, 256, 32, jnp.float16, False, True, True, 1, 8),
     (16, 64, 8, 2048, 768, 64, jnp.bfloat16, True, False, True, 0, 16),
     (64, 8, 2, 256, 2048, -1, jnp.float16, False, False, False, 2, 16),
+    (257, 8, 1, 256, 2048, 128, jnp.float16, True, False, False, 0, 32),
+    (1024, 64, 2, 1024, 1024, 32, jnp.bfloat16, False, True, True, 0, 32),
 ]
 
 

@@ -23,8 +23,8 @@ enum class EpilogueKind {
 //  kRegisters: each warp loads a stage of ChunksPerStage<MT>() chunks into registers, then
 //              computes it (no loads in flight while it computes).
 //  kAsyncRing: each thread copies its own weight, activation and scale pieces AsyncDepth<MT>()
-//              chunks ahead into private shared-memory slots with cp.async, so loads stay in
-//              flight during the math and no registers hold them (block_m 8 and 16 only).
+//              - 1 chunks ahead into private shared-memory slots with cp.async, so loads stay in
+//              flight during the math and no registers hold them (block_m 8, 16 and 32).
 enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1 };
 
 struct MoeGemmArgs {
@@ -76,7 +76,7 @@ __host__ __device__ constexpr int ChunksPerStage() {
 // kAsyncRing: chunks in flight per thread and the shared memory that takes.
 template <int MT>
 __host__ __device__ constexpr int AsyncDepth() {
-  return MT == 1 ? 5 : 4;
+  return MT == 1 ? 5 : (MT == 2 ? 4 : 2);  // block_m 32: double buffering, one chunk ahead
 }
 template <int MT>
 __host__ __device__ constexpr int AsyncVecsPerChunk() {
@@ -85,7 +85,7 @@ __host__ __device__ constexpr int AsyncVecsPerChunk() {
 constexpr int kAsyncWordsPerChunk = 4;  // scale of each subtile, then zero point of each
 template <int MT>
 __host__ __device__ constexpr int AsyncSmemBytes(int threads) {
-  // block_m 8: 100 KB, 16: 112 KB per 256-thread CTA; two CTAs still fit an SM (228 KB).
+  // block_m 8: 100 KB, 16: 112 KB, 32: 88 KB per 256-thread CTA; two CTAs fit an SM (228 KB).
   return threads * AsyncDepth<MT>() * (AsyncVecsPerChunk<MT>() * 16 + kAsyncWordsPerChunk * 4);
 }
 
@@ -100,8 +100,8 @@ __device__ __forceinline__ uint32_t ZeroMagic(const uint32_t* zp_word) {
 
 template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters>
 __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
-  static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 2,
-                "the cp.async ring holds block_m 8 and 16 only");
+  static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 4,
+                "the cp.async ring holds block_m 8, 16 and 32");
   constexpr int kNsub = 2;
   constexpr int kStage = ChunksPerStage<MT>();
   const int blk = blockIdx.x;
@@ -398,7 +398,7 @@ static __global__ void AlignBatchedKernel(const int32_t* expert_num_tokens, int 
 }
 
 // Host side: one launch of the GEMM for args.block_m and args.mainloop, CTAs of kGemmWarps
-// warps. kAsyncRing applies to block_m 8 and 16 (larger blocks use kRegisters).
+// warps. kAsyncRing applies to block_m 8, 16 and 32 (64 uses kRegisters).
 constexpr int kGemmWarps = 8;
 
 template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop>
@@ -441,7 +441,13 @@ void LaunchMoeInt4Gemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t str
         LaunchMoeInt4GemmFor<T, kCode, 2, GemmMainloop::kRegisters>(args, max_blocks, stream);
       }
       break;
-    case 32: LaunchMoeInt4GemmFor<T, kCode, 4, GemmMainloop::kRegisters>(args, max_blocks, stream); break;
+    case 32:
+      if (ring) {
+        LaunchMoeInt4GemmFor<T, kCode, 4, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+      } else {
+        LaunchMoeInt4GemmFor<T, kCode, 4, GemmMainloop::kRegisters>(args, max_blocks, stream);
+      }
+      break;
     default: LaunchMoeInt4GemmFor<T, kCode, 8, GemmMainloop::kRegisters>(args, max_blocks, stream); break;
   }
 }

@@ -28,7 +28,7 @@ struct Wna16MoeProblem {
   bool has_zeros = false;
   bool has_bias = false;
   bool act_order = false;
-  int mainloop = 0;      // GemmMainloop: 0 registers, 1 cp.async ring (block_m 8 and 16)
+  int mainloop = 0;      // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
 
   // Inputs.
   const void* x = nullptr;

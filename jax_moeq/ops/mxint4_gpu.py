@@ -388,7 +388,7 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       RenormalizeNaive, TopK, SigmoidRenorm, MiniMax2, Sigmoid).
     block_m: tokens per expert block (8/16/32/64); default from the routing density.
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
-    mainloop: GEMM main loop, "registers" (default) or "async_ring" (block_m 8/16 only).
+    mainloop: GEMM main loop, "registers" (default) or "async_ring" (block_m 8/16/32).
 
   Returns:
     [T, H] bfloat16.
