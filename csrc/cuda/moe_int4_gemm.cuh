@@ -423,32 +423,23 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
   MoeInt4GemmKernel<T, kCode, MT, kMainloop><<<grid, threads, smem, stream>>>(args);
 }
 
+template <typename T, NibbleCode kCode, int MT>
+void LaunchMoeInt4GemmMainloop(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  if (MT <= 4 && args.mainloop == GemmMainloop::kAsyncRing) {
+    constexpr int kRingMT = MT <= 4 ? MT : 4;  // keeps the untaken branch's template valid
+    LaunchMoeInt4GemmFor<T, kCode, kRingMT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+  } else {
+    LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
+  }
+}
+
 template <typename T, NibbleCode kCode>
 void LaunchMoeInt4Gemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  const bool ring = args.mainloop == GemmMainloop::kAsyncRing;
   switch (args.block_m) {
-    case 8:
-      if (ring) {
-        LaunchMoeInt4GemmFor<T, kCode, 1, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
-      } else {
-        LaunchMoeInt4GemmFor<T, kCode, 1, GemmMainloop::kRegisters>(args, max_blocks, stream);
-      }
-      break;
-    case 16:
-      if (ring) {
-        LaunchMoeInt4GemmFor<T, kCode, 2, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
-      } else {
-        LaunchMoeInt4GemmFor<T, kCode, 2, GemmMainloop::kRegisters>(args, max_blocks, stream);
-      }
-      break;
-    case 32:
-      if (ring) {
-        LaunchMoeInt4GemmFor<T, kCode, 4, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
-      } else {
-        LaunchMoeInt4GemmFor<T, kCode, 4, GemmMainloop::kRegisters>(args, max_blocks, stream);
-      }
-      break;
-    default: LaunchMoeInt4GemmFor<T, kCode, 8, GemmMainloop::kRegisters>(args, max_blocks, stream); break;
+    case 8: LaunchMoeInt4GemmMainloop<T, kCode, 1>(args, max_blocks, stream); break;
+    case 16: LaunchMoeInt4GemmMainloop<T, kCode, 2>(args, max_blocks, stream); break;
+    case 32: LaunchMoeInt4GemmMainloop<T, kCode, 4>(args, max_blocks, stream); break;
+    default: LaunchMoeInt4GemmFor<T, kCode, 8, GemmMainloop::kRegisters>(args, max_blocks, stream);
   }
 }
 
