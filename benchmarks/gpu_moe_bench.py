@@ -196,10 +196,8 @@ def main():
       t_ours = time_calls(lambda a, b: ours_multi(x, weights, a, b), [(ids_stack, w_stack)]
                           ) / ROUTING_SETS
       t_ours_1 = time_calls(lambda ids, w: ours(x, weights, w, ids), dsets)
-      t_ring = None
-      if wna16_gpu._choose_block_m(t * k, e) <= 32:  # pylint: disable=protected-access
-        t_ring = time_calls(lambda a, b: ring_multi(x, weights, a, b), [(ids_stack, w_stack)]
-                            ) / ROUTING_SETS
+      t_ring = time_calls(lambda a, b: ring_multi(x, weights, a, b), [(ids_stack, w_stack)]
+                          ) / ROUTING_SETS
       if t <= 256:
         t_ragged = time_calls(lambda a, b: ragged_multi(x, a, b, w13_bf, w2_bf),
                               [(ids_stack, w_stack)], min_time=0.1, reps=3) / ROUTING_SETS
@@ -215,7 +213,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
-                 ring_us=None if t_ring is None else t_ring * 1e6,
+                 ring_us=t_ring * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12, ragged_us=t_ragged * 1e6,
@@ -230,14 +228,14 @@ def main():
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers in one jit (routing sets rotate); us1: one jit dispatch per call;"
-        " ring us: as us, mainloop='async_ring' (block_m <= 32)")
+        " ring us: as us, mainloop='async_ring'")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'ring us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   for r in rows:
     tt = "n/a" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
     xt = "n/a" if r["x_torch"] is None else f"{r['x_torch']:.2f}"
-    ring = "n/a" if r["ring_us"] is None else f"{r['ring_us']:.1f}"
-    print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} {ring:>8} "
+    print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} "
+          f"{r['ring_us']:8.1f} "
           f"{r['tbps']:6.2f} {100 * r['hbm_frac']:5.0f} "
           f"{r['tflops']:8.1f} {r['ragged_us']:10.1f} {r['x_ragged']:8.1f} {tt:>9} {xt:>7}")
 

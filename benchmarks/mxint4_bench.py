@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from jax_moeq.ops import _gpu_launch, mxint4_gpu  # noqa: E402
+from jax_moeq.ops import mxint4_gpu  # noqa: E402
 from jax_moeq.routing import RoutingMethodType  # noqa: E402
 import gpu_moe_bench as peers  # noqa: E402  (ragged_dot / torch baselines, timing)
 
@@ -122,9 +122,7 @@ def main():
       experts_hit = statistics.mean(len(np.unique(ids)) for _, ids, _ in sets)
       t_ours = peers.time_calls(lambda l: ours(x, l, *weights), dlogits)
       t_gpu = scanned_time(ours, x, dlogits, weights)
-      t_ring = None
-      if _gpu_launch.choose_block_m(t * k / min(e, t * k)) <= 32:  # where the ring applies
-        t_ring = peers.time_calls(lambda l: ring(x, l, *weights), dlogits)
+      t_ring = peers.time_calls(lambda l: ring(x, l, *weights), dlogits)
       t_ragged = None if args.no_peers else peers.time_calls(
           lambda l: ragged(x, l, w13_bf, w2_bf), dlogits, min_time=0.1, reps=3)
       t_torch = None
@@ -136,7 +134,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, gpu_us=t_gpu * 1e6,
-                 ring_us=None if t_ring is None else t_ring * 1e6,
+                 ring_us=t_ring * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12,
@@ -153,14 +151,14 @@ def main():
   print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print("us: per call, back-to-back jitted calls (as the peers); gpu us: per call inside one "
-        "jitted lax.scan (no host dispatch); ring us: as us, mainloop='async_ring' (block_m <= "
-        "32); TB/s, %HBM, TFLOP/s from us")
+        "jitted lax.scan (no host dispatch); ring us: as us, mainloop='async_ring'; TB/s, %HBM, "
+        "TFLOP/s from us")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'gpu us':>8} {'ring us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   for r in rows:
     print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['gpu_us']:8.1f} "
-          f"{fmt(r['ring_us'], '.1f'):>8} {r['tbps']:6.2f} "
+          f"{r['ring_us']:8.1f} {r['tbps']:6.2f} "
           f"{100 * r['hbm_frac']:5.0f} {r['tflops']:8.1f} {fmt(r['ragged_us'], '.1f'):>10} "
           f"{fmt(r['x_ragged'], '.1f'):>8} {fmt(r['torch_us'], '.1f'):>9} "
           f"{fmt(r['x_torch'], '.2f'):>7}")

@@ -51,3 +51,10 @@ def test_expected_busy_blocks():
   assert launch.expected_busy_blocks(2, 8, 8) == 2  # Mixtral T=1: one block per expert hit
   assert launch.expected_busy_blocks(8192, 8, 32) == 256  # T=4096: pairs / block_m
   assert launch.expected_busy_blocks(0.5, 64, 8) == 1
+
+
+def test_mainloop_names():
+  assert launch.mainloop_code(None) == launch.MAINLOOPS[launch.DEFAULT_MAINLOOP]
+  assert launch.mainloop_code("async_ring") == 1
+  with pytest.raises(ValueError, match="mainloop must be one of"):
+    launch.mainloop_code("pipelined")

@@ -89,13 +89,13 @@ __host__ __device__ constexpr int AsyncSmemBytes(int threads) {
   return threads * AsyncDepth<MT>() * (AsyncVecsPerChunk<MT>() * 16 + kAsyncWordsPerChunk * 4);
 }
 
-// magic + zero point of one subtile's group in both halves (rows g and g + 8); magic + 8
-// (uint4b8, and signed nibbles after their XOR) without zero points.
+// magic + zero point of one subtile's group, both halves (rows g and g + 8), from the group's
+// zero-point pair; without zero points the kernels use HalfType<T>::kMagicPlus8 (uint4b8, and
+// signed nibbles after their XOR).
 template <typename T>
-__device__ __forceinline__ uint32_t ZeroMagic(const uint32_t* zp_word) {
+__device__ __forceinline__ uint32_t MagicPlusZero(uint32_t zero_pair) {
   using T2 = typename HalfType<T>::T2;
-  if (zp_word == nullptr) return HalfType<T>::kMagicPlus8;
-  return AsBits(__hadd2(AsHalf2<T2>(*zp_word), AsHalf2<T2>(HalfType<T>::kMagic)));
+  return AsBits(__hadd2(AsHalf2<T2>(zero_pair), AsHalf2<T2>(HalfType<T>::kMagic)));
 }
 
 template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters>
@@ -201,7 +201,8 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
       for (int j = 0; j < kNsub; ++j) {
         wv[j] = *vec(stage, j);
         scale[j] = *word(stage, j);
-        zero_magic[j] = ZeroMagic<T>(zp ? word(stage, kNsub + j) : nullptr);
+        zero_magic[j] =
+            zp ? MagicPlusZero<T>(*word(stage, kNsub + j)) : HalfType<T>::kMagicPlus8;
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
@@ -214,44 +215,38 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
     for (int kc = kc_begin; kc < kc_end; kc += kStage) {
       uint4 wv[kStage][kNsub];
       uint4 xv[kStage][MT][2];
-  #pragma unroll
+#pragma unroll
       for (int u = 0; u < kStage; ++u) {
         const bool live = kc + u < kc_end;
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < kNsub; ++j) {
           wv[u][j] = live ? LoadStreaming(wp[j] + (kc + u) * 32) : make_uint4(0, 0, 0, 0);
         }
-  #pragma unroll
+#pragma unroll
         for (int m = 0; m < MT; ++m) {
-  #pragma unroll
+#pragma unroll
           for (int h = 0; h < 2; ++h) {
-            xv[u][m][h] = (live && xvalid[m])
-                              ? __ldg(reinterpret_cast<const uint4*>(xrow[m] + (kc + u) * 64 + 8 * h))
-                              : make_uint4(0, 0, 0, 0);
+            xv[u][m][h] =
+                (live && xvalid[m])
+                    ? __ldg(reinterpret_cast<const uint4*>(xrow[m] + (kc + u) * 64 + 8 * h))
+                    : make_uint4(0, 0, 0, 0);
           }
         }
       }
-  #pragma unroll
+#pragma unroll
       for (int u = 0; u < kStage; ++u) {
         if (kc + u >= kc_end) break;
         const int group = ((kc + u) * 64 + 16 * t) / group_chunks;
         uint32_t scale[kNsub], zero_magic[kNsub];
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < kNsub; ++j) {
           const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
           scale[j] = __ldg(sp + off);
-          if (zp) {
-            using T2 = typename HalfType<T>::T2;
-            zero_magic[j] = AsBits(__hadd2(AsHalf2<T2>(__ldg(zp + off)),
-                                           AsHalf2<T2>(HalfType<T>::kMagic)));
-          } else {
-            zero_magic[j] = HalfType<T>::kMagicPlus8;
-          }
+          zero_magic[j] = zp ? MagicPlusZero<T>(__ldg(zp + off)) : HalfType<T>::kMagicPlus8;
         }
         MmaChunk<T, kCode, kNsub, MT>(wv[u], xv[u], scale, zero_magic, acc);
       }
     }
-
   }
 
   // Epilogue. Thread (g, t) holds rows g (c = 0, 1) and g + 8 (c = 2, 3) of
@@ -425,9 +420,9 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
 
 template <typename T, NibbleCode kCode, int MT>
 void LaunchMoeInt4GemmMainloop(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  if (MT <= 4 && args.mainloop == GemmMainloop::kAsyncRing) {
-    constexpr int kRingMT = MT <= 4 ? MT : 4;  // keeps the untaken branch's template valid
-    LaunchMoeInt4GemmFor<T, kCode, kRingMT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+  static_assert(MT <= 4, "block_m 64 has the register main loop only");
+  if (args.mainloop == GemmMainloop::kAsyncRing) {
+    LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
   } else {
     LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
   }

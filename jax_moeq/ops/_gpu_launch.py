@@ -3,7 +3,8 @@ per expert block) and the split-K factor, from static shapes at trace time.
 
 The GEMM grid is (expert blocks, ceil(units / 8) CTAs of 8 warps, split). Registers decide how many
 CTAs an SM holds (ptxas, sm_90a: block_m 8 / 16 / 32 use 102 / 100 / 118 registers -> 2 CTAs of
-256 threads; block_m 64 uses 197 -> 1), so a "wave" is num_sms * ctas_per_sm CTAs.
+256 threads; block_m 64 uses 197 -> 1; the async_ring main loop's 88-112 KB of shared memory also
+allows 2), so a "wave" is num_sms * ctas_per_sm CTAs.
 
 Split-K is chosen against a wave model (`_launch_cost`): every CTA of a launch does the same work
 (ceil(chunks / split) 64-deep chunks); a full wave streams at full bandwidth, a partial wave (or a
@@ -19,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 
-WARPS_PER_CTA = 8  # kWarpsPerCta of csrc/cuda/{wna16,mxint4}_moe.cu
+WARPS_PER_CTA = 8  # kGemmWarps of csrc/cuda/moe_int4_gemm.cuh
 MIN_CHUNKS_PER_SPLIT = 4  # a split streams at least 4 chunks (one MT=1 pipeline stage)
 MAX_WORKSPACE_BYTES = 1 << 28  # split-K of GEMM1 needs an f32 [rows, 2I] workspace
 DEFAULT_NUM_SMS = 132  # H100 SXM, when no GPU is visible at trace time
