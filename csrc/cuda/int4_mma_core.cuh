@@ -38,6 +38,7 @@ struct HalfType<__nv_bfloat16> {
   static constexpr uint32_t kMagic = 0x43004300u;
   static constexpr float kMagicValue = 128.0f;
   static constexpr uint32_t kMagicPlus8 = 0x43084308u;  // 136.0: zero point of uint4b8
+  static constexpr uint32_t kOnes = 0x3f803f80u;        // 1.0 in each half
   __device__ __forceinline__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ __forceinline__ static __nv_bfloat16 from_float(float v) {
     return __float2bfloat16_rn(v);
@@ -51,6 +52,7 @@ struct HalfType<__half> {
   static constexpr uint32_t kMagic = 0x64006400u;
   static constexpr float kMagicValue = 1024.0f;
   static constexpr uint32_t kMagicPlus8 = 0x64086408u;  // 1032.0
+  static constexpr uint32_t kOnes = 0x3c003c00u;        // 1.0 in each half
   __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
   __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
 };
@@ -188,6 +190,90 @@ __device__ __forceinline__ void MmaChunk(const uint4 (&w)[NSUB], const uint4 (&x
       }
     }
   }
+}
+
+// The folded form of MmaChunk, for groups that cover whole chunks: the A operand is
+// magic + nibble exactly (one shift and one lop3 per register, no subtract or multiply), and
+// xsum gathers each token's sum of inputs through an all-ones A operand. FoldGroup then applies
+// the group's zero point and scale in f32 once per group instead of once per weight pair:
+//   acc += s * (sum_k (magic + n_k) x_k - (magic + zero) * sum_k x_k) = s * sum_k (n_k - zero) x_k.
+// The weight is q * s exactly (not rounded to T first as in MmaChunk): within 2^-9 relative
+// of the reference's rounding point, far inside the bf16 tolerance.
+template <typename T, NibbleCode kCode, int NSUB, int MT>
+__device__ __forceinline__ void MmaChunkFolded(const uint4 (&w)[NSUB], const uint4 (&x)[MT][2],
+                                               float (&gacc)[NSUB][MT][4],
+                                               float (&xsum)[MT][4]) {
+  const uint32_t ones[4] = {HalfType<T>::kOnes, HalfType<T>::kOnes, HalfType<T>::kOnes,
+                            HalfType<T>::kOnes};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      Mma16816<T>(xsum[m], ones, ActWord(x[m], 2 * s), ActWord(x[m], 2 * s + 1));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j) {
+    uint32_t words[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      if constexpr (kCode == NibbleCode::kSignedInt4) words[s] ^= 0x88888888u;
+      uint32_t a[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = ((words[s] >> (4 * i)) & 0x000f000fu) | HalfType<T>::kMagic;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        Mma16816<T>(gacc[j][m], a, ActWord(x[m], 2 * s), ActWord(x[m], 2 * s + 1));
+      }
+    }
+  }
+}
+
+// Ends a group of MmaChunkFolded: acc += s * (gacc - zero_magic * xsum) per row half
+// (c = 0, 1: row g, the low halves of scale and zero_magic; c = 2, 3: row g + 8), then
+// clears gacc and xsum for the next group.
+template <typename T, int NSUB, int MT>
+__device__ __forceinline__ void FoldGroup(const uint32_t (&scale)[NSUB],
+                                          const uint32_t (&zero_magic)[NSUB],
+                                          float (&gacc)[NSUB][MT][4], float (&xsum)[MT][4],
+                                          float (&acc)[NSUB][MT][4]) {
+  using T2 = typename HalfType<T>::T2;
+#pragma unroll
+  for (int j = 0; j < NSUB; ++j) {
+    const T2 s2 = AsHalf2<T2>(scale[j]), z2 = AsHalf2<T2>(zero_magic[j]);
+    const float s[2] = {__low2float(s2), __high2float(s2)};
+    const float z[2] = {__low2float(z2), __high2float(z2)};
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int r = c >> 1;
+        acc[j][m][c] = fmaf(s[r], fmaf(-z[r], xsum[m][c], gacc[j][m][c]), acc[j][m][c]);
+        gacc[j][m][c] = 0.0f;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) xsum[m][c] = 0.0f;
+}
+
+// n / d for 0 <= n < 2^31 with one multiply-high, an add and a shift (d >= 1; the host makes
+// mul and shift with MakeFastDiv).
+struct FastDiv {
+  uint32_t mul = 1, shift = 0;
+  __device__ __forceinline__ int operator()(int n) const {
+    const uint32_t u = static_cast<uint32_t>(n);
+    return static_cast<int>((__umulhi(u, mul) + u) >> shift);
+  }
+};
+
+inline FastDiv MakeFastDiv(uint32_t d) {
+  FastDiv f;
+  while ((1u << f.shift) < d) ++f.shift;
+  f.mul = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.shift) - d)) / d + 1);
+  return f;
 }
 
 }  // namespace jax_moeq::cuda

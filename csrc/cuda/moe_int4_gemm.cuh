@@ -40,6 +40,7 @@ struct MoeGemmArgs {
   const uint32_t* scales = nullptr;  // [E][G][N/16][8]
   const uint32_t* zeros = nullptr;   // same layout, or null: zero point 8
   int n = 0, k = 0, groups = 1;
+  FastDiv per_group;             // element index -> group (divides by k / groups; the launcher sets it)
   int units = 0, unit_mult = 1, sub_stride = 1;
   int splits = 1, chunks_per_split = 0;
   EpilogueKind epilogue = EpilogueKind::kF32Store;
@@ -98,10 +99,15 @@ __device__ __forceinline__ uint32_t MagicPlusZero(uint32_t zero_pair) {
   return AsBits(__hadd2(AsHalf2<T2>(zero_pair), AsHalf2<T2>(HalfType<T>::kMagic)));
 }
 
-template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters>
+// kFolded: the register main loop with MmaChunkFolded / FoldGroup (groups of whole chunks,
+// block_m 8 and 16: where dequantization instructions, not bytes, bound the decode GEMMs).
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters,
+          bool kFolded = false>
 __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
   static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 4,
                 "the cp.async ring holds block_m 8, 16 and 32");
+  static_assert(!kFolded || (kMainloop == GemmMainloop::kRegisters && MT <= 2),
+                "the folded main loop is the register loop for block_m 8 and 16");
   constexpr int kNsub = 2;
   constexpr int kStage = ChunksPerStage<MT>();
   const int blk = blockIdx.x;
@@ -136,7 +142,6 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   for (int j = 0; j < kNsub; ++j) {
     wp[j] = p.w + (static_cast<int64_t>(expert) * n_sub + sub[j]) * chunks * 32 + lane;
   }
-  const int group_chunks = p.k / p.groups;  // group size in elements
   const uint32_t* sp = p.scales + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g;
   const uint32_t* zp =
       p.zeros ? p.zeros + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g : nullptr;
@@ -173,7 +178,7 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
           CpAsync16OrZero(vec(stage, kNsub + 2 * m + h), src, xvalid[m]);
         }
       }
-      const int group = (kc * 64 + 16 * t) / group_chunks;
+      const int group = p.per_group(kc * 64 + 16 * t);
 #pragma unroll
       for (int j = 0; j < kNsub; ++j) {
         const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
@@ -212,9 +217,23 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
       MmaChunk<T, kCode, kNsub, MT>(wv, xv, scale, zero_magic, acc);
     }
   } else {
+    // kFolded: this group's raw sums (zeroed again by each FoldGroup).
+    float gacc[kFolded ? kNsub : 1][MT][4];
+    float xsum[MT][4];
+    if constexpr (kFolded) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          xsum[m][c] = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kNsub; ++j) gacc[j][m][c] = 0.0f;
+        }
+    }
     for (int kc = kc_begin; kc < kc_end; kc += kStage) {
       uint4 wv[kStage][kNsub];
       uint4 xv[kStage][MT][2];
+      uint32_t scale[kStage][kNsub], zero_magic[kStage][kNsub];
 #pragma unroll
       for (int u = 0; u < kStage; ++u) {
         const bool live = kc + u < kc_end;
@@ -232,19 +251,27 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
                     : make_uint4(0, 0, 0, 0);
           }
         }
+        // Scales with the stage's loads, so their latency hides behind the weights'.
+        const int group = p.per_group(min(kc + u, kc_end - 1) * 64 + 16 * t);
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
+          scale[u][j] = __ldg(sp + off);
+          zero_magic[u][j] = zp ? MagicPlusZero<T>(__ldg(zp + off)) : HalfType<T>::kMagicPlus8;
+        }
       }
 #pragma unroll
       for (int u = 0; u < kStage; ++u) {
         if (kc + u >= kc_end) break;
-        const int group = ((kc + u) * 64 + 16 * t) / group_chunks;
-        uint32_t scale[kNsub], zero_magic[kNsub];
-#pragma unroll
-        for (int j = 0; j < kNsub; ++j) {
-          const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
-          scale[j] = __ldg(sp + off);
-          zero_magic[j] = zp ? MagicPlusZero<T>(__ldg(zp + off)) : HalfType<T>::kMagicPlus8;
+        if constexpr (kFolded) {
+          MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
+          const int next = kc + u + 1;  // the group ends with this chunk or the split does
+          if (next == kc_end || p.per_group(next * 64) != p.per_group(next * 64 - 64)) {
+            FoldGroup<T, kNsub, MT>(scale[u], zero_magic[u], gacc, xsum, acc);
+          }
+        } else {
+          MmaChunk<T, kCode, kNsub, MT>(wv[u], xv[u], scale[u], zero_magic[u], acc);
         }
-        MmaChunk<T, kCode, kNsub, MT>(wv[u], xv[u], scale, zero_magic, acc);
       }
     }
   }
@@ -396,7 +423,7 @@ static __global__ void AlignBatchedKernel(const int32_t* expert_num_tokens, int 
 // warps. kAsyncRing applies to block_m 8, 16 and 32 (64 uses kRegisters).
 constexpr int kGemmWarps = 8;
 
-template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop>
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop, bool kFolded = false>
 void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
   const dim3 grid(max_blocks, (args.units + kGemmWarps - 1) / kGemmWarps, args.splits);
   const int threads = kGemmWarps * 32;
@@ -415,7 +442,7 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
     }();
     (void)opted_in;
   }
-  MoeInt4GemmKernel<T, kCode, MT, kMainloop><<<grid, threads, smem, stream>>>(args);
+  MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded><<<grid, threads, smem, stream>>>(args);
 }
 
 template <typename T, NibbleCode kCode, int MT>
@@ -423,13 +450,22 @@ void LaunchMoeInt4GemmMainloop(const MoeGemmArgs& args, int max_blocks, cudaStre
   static_assert(MT <= 4, "block_m 64 has the register main loop only");
   if (args.mainloop == GemmMainloop::kAsyncRing) {
     LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+  } else if constexpr (MT <= 2) {
+    // Groups of whole 64-deep chunks (64, 128, ..., channel-wise) take the folded loop.
+    if ((args.k / args.groups) % 64 == 0) {
+      LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters, true>(args, max_blocks, stream);
+    } else {
+      LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
+    }
   } else {
     LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
   }
 }
 
 template <typename T, NibbleCode kCode>
-void LaunchMoeInt4Gemm(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+void LaunchMoeInt4Gemm(const MoeGemmArgs& group_args, int max_blocks, cudaStream_t stream) {
+  MoeGemmArgs args = group_args;
+  args.per_group = MakeFastDiv(static_cast<uint32_t>(args.k / args.groups));
   switch (args.block_m) {
     case 8: LaunchMoeInt4GemmMainloop<T, kCode, 1>(args, max_blocks, stream); break;
     case 16: LaunchMoeInt4GemmMainloop<T, kCode, 2>(args, max_blocks, stream); break;
