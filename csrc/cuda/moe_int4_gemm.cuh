@@ -99,15 +99,14 @@ __device__ __forceinline__ uint32_t MagicPlusZero(uint32_t zero_pair) {
   return AsBits(__hadd2(AsHalf2<T2>(zero_pair), AsHalf2<T2>(HalfType<T>::kMagic)));
 }
 
-// kFolded: the register main loop with MmaChunkFolded / FoldGroup (groups of whole chunks,
-// block_m 8 and 16: where dequantization instructions, not bytes, bound the decode GEMMs).
+// kFolded: either main loop with MmaChunkFolded / FoldGroup (groups of whole chunks, block_m 8
+// and 16: where dequantization instructions, not bytes, bound the decode GEMMs).
 template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters,
           bool kFolded = false>
 __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
   static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 4,
                 "the cp.async ring holds block_m 8, 16 and 32");
-  static_assert(!kFolded || (kMainloop == GemmMainloop::kRegisters && MT <= 2),
-                "the folded main loop is the register loop for block_m 8 and 16");
+  static_assert(!kFolded || MT <= 2, "the folded main loops are for block_m 8 and 16");
   constexpr int kNsub = 2;
   constexpr int kStage = ChunksPerStage<MT>();
   const int blk = blockIdx.x;
@@ -153,6 +152,24 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[j][m][c] = 0.0f;
+
+  // kFolded: this group's raw sums (zeroed again by each FoldGroup).
+  float gacc[kFolded ? kNsub : 1][MT][4];
+  float xsum[MT][4];
+  if constexpr (kFolded) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        xsum[m][c] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) gacc[j][m][c] = 0.0f;
+      }
+  }
+  // The chunk after kc starts a new group, or kc ends this CTA's split: fold the group.
+  auto group_ends = [&](int kc) {
+    return kc + 1 == kc_end || p.per_group(kc * 64 + 64) != p.per_group(kc * 64);
+  };
 
   if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
     // Thread-private slots, interleaved by thread so a warp's 16-byte accesses are conflict-free:
@@ -214,22 +231,14 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
         xv[m][0] = *vec(stage, kNsub + 2 * m);
         xv[m][1] = *vec(stage, kNsub + 2 * m + 1);
       }
-      MmaChunk<T, kCode, kNsub, MT>(wv, xv, scale, zero_magic, acc);
+      if constexpr (kFolded) {
+        MmaChunkFolded<T, kCode, kNsub, MT>(wv, xv, gacc, xsum);
+        if (group_ends(kc_begin + c)) FoldGroup<T, kNsub, MT>(scale, zero_magic, gacc, xsum, acc);
+      } else {
+        MmaChunk<T, kCode, kNsub, MT>(wv, xv, scale, zero_magic, acc);
+      }
     }
   } else {
-    // kFolded: this group's raw sums (zeroed again by each FoldGroup).
-    float gacc[kFolded ? kNsub : 1][MT][4];
-    float xsum[MT][4];
-    if constexpr (kFolded) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          xsum[m][c] = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kNsub; ++j) gacc[j][m][c] = 0.0f;
-        }
-    }
     for (int kc = kc_begin; kc < kc_end; kc += kStage) {
       uint4 wv[kStage][kNsub];
       uint4 xv[kStage][MT][2];
@@ -265,10 +274,7 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
         if (kc + u >= kc_end) break;
         if constexpr (kFolded) {
           MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
-          const int next = kc + u + 1;  // the group ends with this chunk or the split does
-          if (next == kc_end || p.per_group(next * 64) != p.per_group(next * 64 - 64)) {
-            FoldGroup<T, kNsub, MT>(scale[u], zero_magic[u], gacc, xsum, acc);
-          }
+          if (group_ends(kc + u)) FoldGroup<T, kNsub, MT>(scale[u], zero_magic[u], gacc, xsum, acc);
         } else {
           MmaChunk<T, kCode, kNsub, MT>(wv[u], xv[u], scale[u], zero_magic[u], acc);
         }
@@ -445,20 +451,26 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
   MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded><<<grid, threads, smem, stream>>>(args);
 }
 
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop>
+void LaunchMoeInt4GemmFolding(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  // Groups of whole 64-deep chunks (64, 128, ..., channel-wise) take the folded form; MxInt4's
+  // groups of 32 never do, so its code is not instantiated.
+  if constexpr (MT <= 2 && kCode == NibbleCode::kUint4b8) {
+    if ((args.k / args.groups) % 64 == 0) {
+      LaunchMoeInt4GemmFor<T, kCode, MT, kMainloop, true>(args, max_blocks, stream);
+      return;
+    }
+  }
+  LaunchMoeInt4GemmFor<T, kCode, MT, kMainloop>(args, max_blocks, stream);
+}
+
 template <typename T, NibbleCode kCode, int MT>
 void LaunchMoeInt4GemmMainloop(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
   static_assert(MT <= 4, "block_m 64 has the register main loop only");
   if (args.mainloop == GemmMainloop::kAsyncRing) {
-    LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
-  } else if constexpr (MT <= 2) {
-    // Groups of whole 64-deep chunks (64, 128, ..., channel-wise) take the folded loop.
-    if ((args.k / args.groups) % 64 == 0) {
-      LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters, true>(args, max_blocks, stream);
-    } else {
-      LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
-    }
+    LaunchMoeInt4GemmFolding<T, kCode, MT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
   } else {
-    LaunchMoeInt4GemmFor<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
+    LaunchMoeInt4GemmFolding<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
   }
 }
 
