@@ -154,6 +154,8 @@ def main():
   ap.add_argument("--json", default=None)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--shapes", default=",".join(SHAPES))
+  ap.add_argument("--alt-mainloop", default="bulk_copy",
+                  help="a second GEMM main loop timed beside the default (see _gpu_launch.MAINLOOPS)")
   args = ap.parse_args()
   try:
     import torch  # noqa: F401
@@ -176,10 +178,9 @@ def main():
     ours = jax.jit(wna16_gpu.fused_marlin_moe)
     ours_multi = jax.jit(lambda x, wt, ids, w: [wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j])
                                                 for j in range(ROUTING_SETS)])
-    # The cp.async main loop (block_m 8/16/32: every T with the automatic block_m), timed beside
-    # the default.
-    ring_multi = jax.jit(lambda x, wt, ids, w: [
-        wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j], mainloop="async_ring")
+    # Another main loop, timed beside the default.
+    alt_multi = jax.jit(lambda x, wt, ids, w: [
+        wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j], mainloop=args.alt_mainloop)
         for j in range(ROUTING_SETS)])
     ragged = jax.jit(ragged_moe)
     ragged_multi = jax.jit(lambda x, ids, w, a, b: [ragged_moe(x, ids[j], w[j], a, b)
@@ -196,7 +197,7 @@ def main():
       t_ours = time_calls(lambda a, b: ours_multi(x, weights, a, b), [(ids_stack, w_stack)]
                           ) / ROUTING_SETS
       t_ours_1 = time_calls(lambda ids, w: ours(x, weights, w, ids), dsets)
-      t_ring = time_calls(lambda a, b: ring_multi(x, weights, a, b), [(ids_stack, w_stack)]
+      t_alt = time_calls(lambda a, b: alt_multi(x, weights, a, b), [(ids_stack, w_stack)]
                           ) / ROUTING_SETS
       if t <= 256:
         t_ragged = time_calls(lambda a, b: ragged_multi(x, a, b, w13_bf, w2_bf),
@@ -213,7 +214,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
-                 ring_us=t_ring * 1e6,
+                 alt_mainloop=args.alt_mainloop, alt_us=t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12, ragged_us=t_ragged * 1e6,
@@ -228,14 +229,14 @@ def main():
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers in one jit (routing sets rotate); us1: one jit dispatch per call;"
-        " ring us: as us, mainloop='async_ring'")
-  print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'ring us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
+        f" alt us: as us, mainloop={args.alt_mainloop!r}")
+  print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   for r in rows:
     tt = "n/a" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
     xt = "n/a" if r["x_torch"] is None else f"{r['x_torch']:.2f}"
     print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} "
-          f"{r['ring_us']:8.1f} "
+          f"{r['alt_us']:8.1f} "
           f"{r['tbps']:6.2f} {100 * r['hbm_frac']:5.0f} "
           f"{r['tflops']:8.1f} {r['ragged_us']:10.1f} {r['x_ragged']:8.1f} {tt:>9} {xt:>7}")
 

@@ -56,5 +56,6 @@ def test_expected_busy_blocks():
 def test_mainloop_names():
   assert launch.mainloop_code(None) == launch.MAINLOOPS[launch.DEFAULT_MAINLOOP]
   assert launch.mainloop_code("async_ring") == 1
+  assert launch.mainloop_code("bulk_copy") == 2
   with pytest.raises(ValueError, match="mainloop must be one of"):
     launch.mainloop_code("pipelined")

@@ -222,9 +222,10 @@ ASYNC_RING_CASES = [
 ]
 
 
+@pytest.mark.parametrize("mainloop", ["async_ring", "bulk_copy"])
 @pytest.mark.parametrize("case", ASYNC_RING_CASES, ids=lambda c: "T{}_E{}_H{}_I{}_g{}_{}_bm{}".format(
     c[0], c[1], c[3], c[4], c[5], jnp.dtype(c[6]).name, c[11]))
-def test_async_ring_mainloop(case):
+def test_other_mainloops(case, mainloop):
   t, e, k, h, i, group, dtype, act_order, zeros, bias, kind, block_m = case
   seed = hash(case) % 1000
   weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
@@ -232,7 +233,7 @@ def test_async_ring_mainloop(case):
   x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
   poison = jnp.full((t, h), jnp.nan, dtype)
   run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind,
-                                  block_m=block_m, mainloop="async_ring"))
+                                  block_m=block_m, mainloop=mainloop))
   got = np.asarray(run(x, weights, topk_w, topk_ids, out_init=poison).astype(jnp.float32))
   assert np.isfinite(got).all(), "unwritten (NaN) output elements"
   want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
@@ -243,13 +244,14 @@ def test_async_ring_mainloop(case):
   assert _rel(got, registers.astype(jnp.float32)) <= 1e-2
 
 
-def test_async_ring_batched():
+@pytest.mark.parametrize("mainloop", ["async_ring", "bulk_copy"])
+def test_other_mainloops_batched(mainloop):
   e, m, h, i = 8, 16, 1024, 256
   weights, (w13, w2, b13, b2) = _build(21, e, h, i, 128, jnp.bfloat16, backend="BATCHED_MARLIN")
   counts = jnp.array([16, 0, 3, 16, 7, 1, 12, 5], jnp.int32)
   x = jax.random.normal(jax.random.PRNGKey(22), (e, m, h), jnp.float32).astype(jnp.bfloat16)
   poison = jnp.full(x.shape, jnp.nan, jnp.bfloat16)
-  got = jax.jit(functools.partial(wna16_gpu.batched_fused_marlin_moe, mainloop="async_ring"))(
+  got = jax.jit(functools.partial(wna16_gpu.batched_fused_marlin_moe, mainloop=mainloop))(
       x, counts, weights, out_init=poison)
   got = np.asarray(got.astype(jnp.float32))
   assert np.isfinite(got).all(), "unwritten (NaN) output elements"

@@ -25,7 +25,10 @@ enum class EpilogueKind {
 //  kAsyncRing: each thread copies its own weight, activation and scale pieces AsyncDepth<MT>()
 //              - 1 chunks ahead into private shared-memory slots with cp.async, so loads stay in
 //              flight during the math and no registers hold them (block_m 8, 16 and 32).
-enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1 };
+//  kBulkCopy: lane 0 of each warp streams the warp's weights into a private ring of shared-memory
+//              slots with bulk copies (kBulkSlots slots of two chunks per subtile, mbarrier per
+//              slot); activations and scales come through L1 into registers (block_m 8 and 16).
+enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2 };
 
 struct MoeGemmArgs {
   const void* x = nullptr;       // rows of T, row stride ld_x (elements)
@@ -90,6 +93,14 @@ __host__ __device__ constexpr int AsyncSmemBytes(int threads) {
   return threads * AsyncDepth<MT>() * (AsyncVecsPerChunk<MT>() * 16 + kAsyncWordsPerChunk * 4);
 }
 
+// kBulkCopy: slots per warp and chunks per slot; per 256-thread CTA 8 * 6 * 2 KB = 96 KB, so two
+// CTAs share an SM with up to 10 KB in flight per warp.
+constexpr int kBulkSlots = 6;
+constexpr int kBulkSlotChunks = 2;
+__host__ __device__ constexpr int BulkSmemBytes(int threads) {
+  return (threads / 32) * kBulkSlots * 2 * kBulkSlotChunks * 512;
+}
+
 // magic + zero point of one subtile's group, both halves (rows g and g + 8), from the group's
 // zero-point pair; without zero points the kernels use HalfType<T>::kMagicPlus8 (uint4b8, and
 // signed nibbles after their XOR).
@@ -107,6 +118,8 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 4,
                 "the cp.async ring holds block_m 8, 16 and 32");
   static_assert(!kFolded || MT <= 2, "the folded main loops are for block_m 8 and 16");
+  static_assert(kMainloop != GemmMainloop::kBulkCopy || MT <= 2,
+                "the bulk-copy main loop is for block_m 8 and 16");
   constexpr int kNsub = 2;
   constexpr int kStage = ChunksPerStage<MT>();
   const int blk = blockIdx.x;
@@ -171,7 +184,81 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
     return kc + 1 == kc_end || p.per_group(kc * 64 + 64) != p.per_group(kc * 64);
   };
 
-  if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
+  if constexpr (kMainloop == GemmMainloop::kBulkCopy) {
+    constexpr int kSlotChunks = kBulkSlotChunks;
+    __shared__ __align__(8) uint64_t slot_full[kMaxGemmThreads / 32][kBulkSlots];
+    extern __shared__ __align__(128) uint4 bulk_smem[];
+    uint64_t* full = slot_full[warp];
+    // This warp's slots: [slot][subtile][chunk of the slot][lane].
+    uint4* slots = bulk_smem + warp * kBulkSlots * kNsub * kSlotChunks * 32;
+    if (lane == 0) {
+      for (int s = 0; s < kBulkSlots; ++s) MbarrierInit(full + s);
+    }
+    __syncwarp();
+    const int n_chunks = kc_end - kc_begin;
+    const int n_fills = (n_chunks + kSlotChunks - 1) / kSlotChunks;
+    auto fill = [&](int f) {  // lane 0: slot f % kBulkSlots <- chunks of fill f, every subtile
+      const int slot = f % kBulkSlots;
+      const int c0 = kc_begin + f * kSlotChunks;
+      const uint32_t bytes = min(kSlotChunks, kc_end - c0) * 512;
+      MbarrierExpectBytes(full + slot, kNsub * bytes);
+#pragma unroll
+      for (int j = 0; j < kNsub; ++j) {
+        BulkCopyToShared(slots + (slot * kNsub + j) * kSlotChunks * 32, wp[j] - lane + c0 * 32,
+                         bytes, full + slot);
+      }
+    };
+    if (lane == 0) {
+      for (int f = 0; f < kBulkSlots - 1 && f < n_fills; ++f) fill(f);
+    }
+    for (int f = 0; f < n_fills; ++f) {
+      // The slot refilled here was read by every lane in iteration f - 1 (its values are in
+      // registers and consumed): order those reads before the copy engine's writes.
+      if (f + kBulkSlots - 1 < n_fills) {
+        __syncwarp();
+        if (lane == 0) {
+          FenceProxyAsync();
+          fill(f + kBulkSlots - 1);
+        }
+      }
+      const int c0 = kc_begin + f * kSlotChunks;
+      uint4 xv[kSlotChunks][MT][2];
+      uint32_t scale[kSlotChunks][kNsub], zero_magic[kSlotChunks][kNsub];
+#pragma unroll
+      for (int u = 0; u < kSlotChunks; ++u) {
+        const int kc = min(c0 + u, kc_end - 1);  // a short last fill re-reads its last chunk
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            xv[u][m][h] = __ldg(reinterpret_cast<const uint4*>(xrow[m] + kc * 64 + 8 * h));
+          }
+        }
+        const int group = p.per_group(kc * 64 + 16 * t);
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
+          scale[u][j] = __ldg(sp + off);
+          zero_magic[u][j] = zp ? MagicPlusZero<T>(__ldg(zp + off)) : HalfType<T>::kMagicPlus8;
+        }
+      }
+      const int slot = f % kBulkSlots;
+      MbarrierWait(full + slot, (f / kBulkSlots) & 1);
+#pragma unroll
+      for (int u = 0; u < kSlotChunks; ++u) {
+        if (c0 + u >= kc_end) break;
+        uint4 wv[kNsub];
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) wv[j] = slots[((slot * kNsub + j) * kSlotChunks + u) * 32 + lane];
+        if constexpr (kFolded) {
+          MmaChunkFolded<T, kCode, kNsub, MT>(wv, xv[u], gacc, xsum);
+          if (group_ends(c0 + u)) FoldGroup<T, kNsub, MT>(scale[u], zero_magic[u], gacc, xsum, acc);
+        } else {
+          MmaChunk<T, kCode, kNsub, MT>(wv, xv[u], scale[u], zero_magic[u], acc);
+        }
+      }
+    }
+  } else if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
     // Thread-private slots, interleaved by thread so a warp's 16-byte accesses are conflict-free:
     // vec (stage s, item q) at vecs[(s * kVecs + q) * threads + tid], words likewise.
     constexpr int kDepth = AsyncDepth<MT>();
@@ -434,13 +521,13 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
   const dim3 grid(max_blocks, (args.units + kGemmWarps - 1) / kGemmWarps, args.splits);
   const int threads = kGemmWarps * 32;
   int smem = 0;
-  if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
-    smem = AsyncSmemBytes<MT>(threads);
+  if constexpr (kMainloop != GemmMainloop::kRegisters) {
+    smem = kMainloop == GemmMainloop::kBulkCopy ? BulkSmemBytes(threads) : AsyncSmemBytes<MT>(threads);
     // Above 48 KB needs an opt-in, once per instantiation (not a stream operation, so it is
     // also fine while XLA captures a command buffer). Should it fail, the launch below fails
     // too and the caller's cudaGetLastError reports it.
     static const bool opted_in = [smem] {
-      auto kernel = MoeInt4GemmKernel<T, kCode, MT, kMainloop>;
+      auto kernel = MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>;
       return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) ==
                  cudaSuccess &&
              cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -469,6 +556,12 @@ void LaunchMoeInt4GemmMainloop(const MoeGemmArgs& args, int max_blocks, cudaStre
   static_assert(MT <= 4, "block_m 64 has the register main loop only");
   if (args.mainloop == GemmMainloop::kAsyncRing) {
     LaunchMoeInt4GemmFolding<T, kCode, MT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+  } else if (args.mainloop == GemmMainloop::kBulkCopy) {
+    if constexpr (MT <= 2) {
+      LaunchMoeInt4GemmFolding<T, kCode, MT, GemmMainloop::kBulkCopy>(args, max_blocks, stream);
+    } else {  // block_m 32 has no bulk-copy loop: the ring is its nearest
+      LaunchMoeInt4GemmFolding<T, kCode, MT, GemmMainloop::kAsyncRing>(args, max_blocks, stream);
+    }
   } else {
     LaunchMoeInt4GemmFolding<T, kCode, MT, GemmMainloop::kRegisters>(args, max_blocks, stream);
   }

@@ -116,7 +116,9 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
     return "block_m must be 8, 16, 32 or 64";
   }
   if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
-  if (p.mainloop != 0 && p.mainloop != 1) return "mainloop must be 0 (registers) or 1 (async ring)";
+  if (p.mainloop < 0 || p.mainloop > 2) {
+    return "mainloop must be 0 (registers), 1 (async ring) or 2 (bulk copy)";
+  }
   if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
     return "problem too large for 32-bit row indexing";
   }

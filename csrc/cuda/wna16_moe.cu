@@ -253,7 +253,9 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
     return "w2 scale groups must divide the intermediate size into groups of a multiple of 16";
   }
   if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
-  if (p.mainloop != 0 && p.mainloop != 1) return "mainloop must be 0 (registers) or 1 (async ring)";
+  if (p.mainloop < 0 || p.mainloop > 2) {
+    return "mainloop must be 0 (registers), 1 (async ring) or 2 (bulk copy)";
+  }
   if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
   if (p.top_k < 1) return "top_k must be >= 1";
   if (Wna16MoeRows(p) >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {

@@ -33,7 +33,7 @@ SATURATING_FRACTION = 0.5
 # GEMM main loops (GemmMainloop in csrc/cuda/moe_int4_gemm.cuh). "async_ring" streams each thread's
 # pieces through a cp.async ring in shared memory and applies to block_m 8, 16 and 32 (block_m 64
 # keeps "registers"); it is not the default until an H100 run has checked and timed it.
-MAINLOOPS = {"registers": 0, "async_ring": 1}
+MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2}
 DEFAULT_MAINLOOP = "registers"
 
 
