@@ -332,23 +332,20 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
       uint32_t scale[kStage][kNsub], zero_magic[kStage][kNsub];
 #pragma unroll
       for (int u = 0; u < kStage; ++u) {
-        const bool live = kc + u < kc_end;
+        // Chunks past the end are neither loaded nor used (the compute loop stops first); the
+        // rows of padding tokens read row 0 and feed only their own, discarded, MMA columns.
+        const int kl = min(kc + u, kc_end - 1);
 #pragma unroll
-        for (int j = 0; j < kNsub; ++j) {
-          wv[u][j] = live ? LoadStreaming(wp[j] + (kc + u) * 32) : make_uint4(0, 0, 0, 0);
-        }
+        for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(wp[j] + kl * 32);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            xv[u][m][h] =
-                (live && xvalid[m])
-                    ? __ldg(reinterpret_cast<const uint4*>(xrow[m] + (kc + u) * 64 + 8 * h))
-                    : make_uint4(0, 0, 0, 0);
+            xv[u][m][h] = __ldg(reinterpret_cast<const uint4*>(xrow[m] + kl * 64 + 8 * h));
           }
         }
         // Scales with the stage's loads, so their latency hides behind the weights'.
-        const int group = p.per_group(min(kc + u, kc_end - 1) * 64 + 16 * t);
+        const int group = p.per_group(kl * 64 + 16 * t);
 #pragma unroll
         for (int j = 0; j < kNsub; ++j) {
           const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
