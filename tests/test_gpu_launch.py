@@ -59,3 +59,9 @@ def test_mainloop_names():
   assert launch.mainloop_code("bulk_copy") == 2
   with pytest.raises(ValueError, match="mainloop must be one of"):
     launch.mainloop_code("pipelined")
+
+
+def test_default_mainloop_follows_measurements():
+  assert launch.default_mainloop("wna16", 8) == "registers"
+  assert launch.default_mainloop("mxint4", 16) == "async_ring"
+  assert launch.default_mainloop("mxint4", 32) == "registers"

@@ -30,11 +30,24 @@ DEFAULT_NUM_SMS = 132  # H100 SXM, when no GPU is visible at trace time
 SATURATING_FRACTION = 0.5
 
 
-# GEMM main loops (GemmMainloop in csrc/cuda/moe_int4_gemm.cuh). "async_ring" streams each thread's
-# pieces through a cp.async ring in shared memory and applies to block_m 8, 16 and 32 (block_m 64
-# keeps "registers"); it is not the default until an H100 run has checked and timed it.
+# GEMM main loops (GemmMainloop in csrc/cuda/moe_int4_gemm.cuh):
+#   "registers": each warp loads a stage of chunks into registers, then computes it. For WNA16 at
+#     block_m 8/16 with groups of 64 or more it takes the folded form (zero point and scale applied
+#     once per group), the fastest measured (H100, 2026-11-23: Mixtral T=1 84 us).
+#   "async_ring": each thread streams its pieces through a cp.async ring in shared memory (block_m
+#     8, 16, 32). Faster than "registers" for MxInt4 (groups of 32, never folded) at block_m <= 16
+#     (Mixtral shape T=1 106 vs 115 us, T=64 514 vs 676 us), slower at block_m 32.
+#   "bulk_copy": each warp streams its weights through shared memory with bulk copies (block_m 8,
+#     16); correct, but slower than both on every measured shape: kept for study, never chosen.
 MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2}
 DEFAULT_MAINLOOP = "registers"
+
+
+def default_mainloop(scheme: str, block_m: int) -> str:
+  """The measured-fastest main loop for a scheme ("wna16" or "mxint4") at a block_m."""
+  if scheme == "mxint4" and block_m <= 16:
+    return "async_ring"
+  return DEFAULT_MAINLOOP
 
 
 def mainloop_code(mainloop: str | None) -> int:

@@ -313,6 +313,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
     block_m = _gpu_launch.choose_block_m(local_pairs / max(1.0, min(el, local_pairs)))
   if block_m not in (8, 16, 32, 64):
     raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
+  if mainloop is None:
+    mainloop = _gpu_launch.default_mainloop("mxint4", block_m)
   mainloop_id = _gpu_launch.mainloop_code(mainloop)
   padded = _max_padded(pairs, el, block_m)
   blocks = padded // block_m
@@ -388,7 +390,8 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       RenormalizeNaive, TopK, SigmoidRenorm, MiniMax2, Sigmoid).
     block_m: tokens per expert block (8/16/32/64); default from the routing density.
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
-    mainloop: GEMM main loop, "registers" (default) or "async_ring" (block_m 8/16/32).
+    mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS); None picks the measured-fastest for
+      the block_m ("async_ring" up to block_m 16, else "registers").
 
   Returns:
     [T, H] bfloat16.

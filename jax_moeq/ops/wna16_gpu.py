@@ -401,7 +401,7 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     activation_kind: 0 silu(g)·u, 1 swigluoai, 2 silu (== 0).
     block_m: tokens per expert block (8/16/32/64); default from the routing density.
     out_init: optional buffer aliased to the output (tests poison it with NaN).
-    mainloop: GEMM main loop, "registers" (default) or "async_ring" (block_m 8/16/32; see
+    mainloop: GEMM main loop, "registers" (default), "async_ring" or "bulk_copy" (see
       `_gpu_launch.MAINLOOPS`).
   Returns:
     [T, H] in x's dtype.
