@@ -137,6 +137,11 @@ def test_quantized_block_matches_same_scheme_reference():
   assert rel(kb(xb), rb(xb)) <= 1e-2  # SPEC §9 bf16
 
 
+_ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.skipif(_ON_GPU, reason="asserts the CPU oracle's choice; a GPU machine's oracle "
+                    "answers for its GPU (tests/test_wna16_gpu.py, test_mxint4_gpu.py cover it)")
 @pytest.mark.parametrize("scheme", ["wna16", "mxint4"])
 def test_weight_only_schemes_on_cpu(scheme, caplog):
   moe = MoE(E, K, H, I, dtype=jnp.float32, rngs=nnx.Rngs(11))
@@ -235,6 +240,8 @@ def test_correction_bias_and_grouped_routing():
                                                    ("compressed-tensors", "wna16", -1)])
 def test_block_checkpoint_round_trip(tmp_path, fmt, scheme, group_size):
   pytest.importorskip("safetensors")
+  if _ON_GPU and scheme == "mxint4":
+    pytest.skip("this block has expert biases, which MxInt4 on a GPU refuses (oracle error)")
   from jax_moeq.loaders import load_moe_checkpoint, save_moe_checkpoint
   from jax_moeq.nn import layer_from_module, moe_from_checkpoint_layer
   moe = MoE(E, K, H, I, use_bias=True, dtype=jnp.float32, rngs=nnx.Rngs(18))
