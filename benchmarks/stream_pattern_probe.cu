@@ -3,20 +3,16 @@
 // per (gate, up) subtile pair, 8 warps per CTA, as MoeInt4GemmKernel reads it.
 //   layout "sub-major"   [E][N/16][K/64][512 B] (today's): a warp's stream is contiguous
 //   layout "chunk-major" [E][K/64][N/16][512 B]: warps at the same chunk read neighbouring bytes
-// Build and run: nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -o /tmp/probe
+// Build and run: nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -Icsrc -o /tmp/probe
 //   benchmarks/stream_pattern_probe.cu && /tmp/probe
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <vector>
 
-__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+#include "cuda/int4_mma_core.cuh"  // LoadStreaming, as the GEMM reads weights
+
+using jax_moeq::cuda::LoadStreaming;
 
 template <bool kChunkMajor, int kDepth>
 __global__ void __launch_bounds__(256) ReadStreams(const uint4* w, int n_sub, int chunks,

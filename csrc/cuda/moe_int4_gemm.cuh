@@ -179,6 +179,25 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
         for (int j = 0; j < kNsub; ++j) gacc[j][m][c] = 0.0f;
       }
   }
+  // Registers for chunk kc (kBulkCopy and kRegisters): this lane's activations of every token
+  // tile, and the scale and magic + zero point of its group for every subtile.
+  auto load_chunk_inputs = [&](int kc, uint4 (&xv)[MT][2], uint32_t (&scale)[kNsub],
+                               uint32_t (&zero_magic)[kNsub]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        xv[m][h] = __ldg(reinterpret_cast<const uint4*>(xrow[m] + kc * 64 + 8 * h));
+      }
+    }
+    const int group = p.per_group(kc * 64 + 16 * t);
+#pragma unroll
+    for (int j = 0; j < kNsub; ++j) {
+      const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
+      scale[j] = __ldg(sp + off);
+      zero_magic[j] = zp ? MagicPlusZero<T>(__ldg(zp + off)) : HalfType<T>::kMagicPlus8;
+    }
+  };
   // The chunk after kc starts a new group, or kc ends this CTA's split: fold the group.
   auto group_ends = [&](int kc) {
     return kc + 1 == kc_end || p.per_group(kc * 64 + 64) != p.per_group(kc * 64);
@@ -227,20 +246,7 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
 #pragma unroll
       for (int u = 0; u < kSlotChunks; ++u) {
         const int kc = min(c0 + u, kc_end - 1);  // a short last fill re-reads its last chunk
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            xv[u][m][h] = __ldg(reinterpret_cast<const uint4*>(xrow[m] + kc * 64 + 8 * h));
-          }
-        }
-        const int group = p.per_group(kc * 64 + 16 * t);
-#pragma unroll
-        for (int j = 0; j < kNsub; ++j) {
-          const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
-          scale[u][j] = __ldg(sp + off);
-          zero_magic[u][j] = zp ? MagicPlusZero<T>(__ldg(zp + off)) : HalfType<T>::kMagicPlus8;
-        }
+        load_chunk_inputs(kc, xv[u], scale[u], zero_magic[u]);
       }
       const int slot = f % kBulkSlots;
       MbarrierWait(full + slot, (f / kBulkSlots) & 1);
@@ -337,21 +343,8 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
         const int kl = min(kc + u, kc_end - 1);
 #pragma unroll
         for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(wp[j] + kl * 32);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            xv[u][m][h] = __ldg(reinterpret_cast<const uint4*>(xrow[m] + kl * 64 + 8 * h));
-          }
-        }
         // Scales with the stage's loads, so their latency hides behind the weights'.
-        const int group = p.per_group(kl * 64 + 16 * t);
-#pragma unroll
-        for (int j = 0; j < kNsub; ++j) {
-          const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
-          scale[u][j] = __ldg(sp + off);
-          zero_magic[u][j] = zp ? MagicPlusZero<T>(__ldg(zp + off)) : HalfType<T>::kMagicPlus8;
-        }
+        load_chunk_inputs(kl, xv[u], scale[u], zero_magic[u]);
       }
 #pragma unroll
       for (int u = 0; u < kStage; ++u) {
