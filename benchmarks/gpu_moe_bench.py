@@ -154,8 +154,12 @@ def main():
   ap.add_argument("--json", default=None)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--shapes", default=",".join(SHAPES))
+  ap.add_argument("--tokens", default=None, help="comma-separated T values (overrides --quick)")
   ap.add_argument("--alt-mainloop", default="bulk_copy",
                   help="a second GEMM main loop timed beside the default (see _gpu_launch.MAINLOOPS)")
+  ap.add_argument("--alt-block-m", type=int, default=None,
+                  help="time the alternative with this block_m (e.g. 128: the wgmma GEMM) and the "
+                       "default main loop instead of --alt-mainloop")
   args = ap.parse_args()
   try:
     import torch  # noqa: F401
@@ -167,6 +171,11 @@ def main():
   print(f"device: {dev.device_kind}; copy bandwidth (read+write) {hbm / 1e12:.2f} TB/s; "
         f"torch: {'yes' if have_torch else 'no'}", flush=True)
   tokens = (1, 64, 4096) if args.quick else TOKENS
+  if args.tokens:
+    tokens = tuple(int(v) for v in args.tokens.split(","))
+  alt_kw = (dict(block_m=args.alt_block_m) if args.alt_block_m else
+            dict(mainloop=args.alt_mainloop))
+  alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else f"mainloop={args.alt_mainloop!r}"
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]
@@ -180,7 +189,7 @@ def main():
                                                 for j in range(ROUTING_SETS)])
     # Another main loop, timed beside the default.
     alt_multi = jax.jit(lambda x, wt, ids, w: [
-        wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j], mainloop=args.alt_mainloop)
+        wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j], **alt_kw)
         for j in range(ROUTING_SETS)])
     ragged = jax.jit(ragged_moe)
     ragged_multi = jax.jit(lambda x, ids, w, a, b: [ragged_moe(x, ids[j], w[j], a, b)
@@ -214,7 +223,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
-                 alt_mainloop=args.alt_mainloop, alt_us=t_alt * 1e6,
+                 alt=alt_name, alt_us=t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12, ragged_us=t_ragged * 1e6,
@@ -229,7 +238,7 @@ def main():
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers in one jit (routing sets rotate); us1: one jit dispatch per call;"
-        f" alt us: as us, mainloop={args.alt_mainloop!r}")
+        f" alt us: as us, {alt_name}")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   for r in rows:

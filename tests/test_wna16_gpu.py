@@ -259,6 +259,61 @@ def test_other_mainloops_batched(mainloop):
                                       dtype=jnp.bfloat16)) <= TOL
 
 
+# The wgmma GEMM (block_m 128): inputs permuted to the logical chunk order, two warpgroups per CTA.
+# Covers both dtypes, every group size, act-order, zero points, bias, the activation kinds, odd
+# unit counts (I/64 odd: a CTA's second warpgroup idle), GEMM2 with H % 128 == 64 (a warpgroup's
+# second tile past N), several 128-token blocks per expert and padding rows.
+# (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation)
+WGMMA_CASES = [
+    (1, 8, 2, 256, 256, 128, jnp.bfloat16, False, False, False, 0),
+    (3, 8, 2, 320, 192, 64, jnp.float16, False, False, True, 1),
+    (257, 8, 2, 1024, 512, 32, jnp.bfloat16, False, True, False, 0),
+    (1024, 8, 2, 2048, 1024, 128, jnp.float16, True, False, True, 2),
+    (1024, 64, 8, 1024, 1024, -1, jnp.bfloat16, False, False, False, 0),
+    (300, 4, 1, 4096, 256, 128, jnp.bfloat16, False, False, False, 0),
+    (200, 8, 2, 576, 320, 64, jnp.bfloat16, True, True, True, 1),
+]
+
+
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=lambda c: "T{}_E{}_K{}_H{}_I{}_g{}_{}{}{}{}_a{}".format(
+    c[0], c[1], c[2], c[3], c[4], c[5], jnp.dtype(c[6]).name, "_ao" if c[7] else "",
+    "_zp" if c[8] else "", "_bias" if c[9] else "", c[10]))
+def test_wgmma_vs_reference(case):
+  t, e, k, h, i, group, dtype, act_order, zeros, bias, kind = case
+  seed = hash(case) % 1000
+  weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
+  topk_w, topk_ids = _routing(seed, t, e, k)
+  x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
+  poison = jnp.full((t, h), jnp.nan, dtype)
+  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind, block_m=128))
+  got = np.asarray(run(x, weights, topk_w, topk_ids, out_init=poison).astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
+  err = _rel(got, want)
+  assert err <= TOL, f"rel. Frobenius error {err:.3e}"
+  # The mma.sync GEMM dequantizes to the same values and rounds at the same points: the two
+  # differ only by f32 summation order (1-ulp flips at the bf16/fp16 rounding points).
+  small = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=kind,
+                                     block_m=32)
+  assert _rel(got, small.astype(jnp.float32)) <= 5e-3
+
+
+def test_wgmma_batched():
+  e, m, h, i = 8, 200, 512, 256
+  weights, (w13, w2, b13, b2) = _build(23, e, h, i, 64, jnp.float16, backend="BATCHED_MARLIN")
+  counts = jnp.array([200, 0, 3, 129, 128, 1, 77, 200], jnp.int32)
+  x = jax.random.normal(jax.random.PRNGKey(24), (e, m, h), jnp.float32).astype(jnp.float16)
+  poison = jnp.full(x.shape, jnp.nan, jnp.float16)
+  got = jax.jit(functools.partial(wna16_gpu.batched_fused_marlin_moe, block_m=128))(
+      x, counts, weights, out_init=poison)
+  got = np.asarray(got.astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  assert _rel(got, _reference_batched(x, counts, w13, w2, b13, b2, kind=0,
+                                      dtype=jnp.float16)) <= TOL
+  live = np.arange(m)[None, :] < np.asarray(counts)[:, None]
+  assert np.all(got[~live] == 0)
+
+
 BATCHED_CASES = [
     (8, 16, 256, 256, 128, jnp.bfloat16, False, False),
     (64, 3, 1024, 256, 32, jnp.float16, False, True),

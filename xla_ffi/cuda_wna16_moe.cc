@@ -154,8 +154,9 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   if (act->element_count() < rows * I || act->element_type() != x.element_type()) {
     return Invalid("act scratch must hold rows * I elements of x's dtype");
   }
-  if (act_order && static_cast<int64_t>(x_perm->element_count()) < rows * H) {
-    return Invalid("x_perm scratch must hold rows * H elements");
+  // act-order and the wgmma GEMM (block_m 128) read permuted inputs.
+  if ((act_order || block_m == 128) && static_cast<int64_t>(x_perm->element_count()) < rows * H) {
+    return Invalid("x_perm scratch must hold rows * H elements (act-order or block_m 128)");
   }
   if (split13 > 1 && static_cast<int64_t>(ws13->element_count()) < rows * 2 * I) {
     return Invalid("ws13 scratch must hold rows * 2I floats when split13 > 1");

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "cuda/moe_int4_gemm.cuh"
+#include "cuda/moe_int4_wgmma.cuh"
 #include "cuda/wna16_moe.h"
 
 namespace jax_moeq::cuda {
@@ -11,19 +12,27 @@ namespace {
 
 constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
-// act-order: x_perm[id][j] = x[id / in_div][perm[e][j]], e the row's expert.
+// x_perm[id][j] = x[id / in_div][perm[e][c(j)]], e the row's expert (act-order; without perm the
+// column is c(j)), where c(j) = j, or the physical column of logical position j when
+// logical_chunks (the wgmma GEMM's input order, moe_int4_wgmma.cuh).
 template <typename T>
 __global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* row_expert_src,
-                                  int row_expert_div, const int32_t* perm, int hidden, int rows,
-                                  int experts, T* x_perm) {
+                                  int row_expert_div, const int32_t* perm, bool logical_chunks,
+                                  int hidden, int rows, int experts, T* x_perm) {
   const int id = blockIdx.x;
   if (id >= rows) return;
-  const int e = row_expert_src ? row_expert_src[id] : id / row_expert_div;
-  if (e < 0 || e >= experts) return;
+  const int32_t* pe = nullptr;
+  if (perm) {
+    const int e = row_expert_src ? row_expert_src[id] : id / row_expert_div;
+    if (e < 0 || e >= experts) return;
+    pe = perm + static_cast<int64_t>(e) * hidden;
+  }
   const T* src = x + static_cast<int64_t>(id / in_div) * hidden;
-  const int32_t* pe = perm + static_cast<int64_t>(e) * hidden;
   T* dst = x_perm + static_cast<int64_t>(id) * hidden;
-  for (int j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = src[pe[j]];
+  for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+    const int c = logical_chunks ? (j & ~63) | PhysicalOfLogical(j & 63) : j;
+    dst[j] = src[pe ? pe[c] : c];
+  }
 }
 
 // GEMM1 finalize after split-K: act[id][col] from ws13[id][0:2I].
@@ -123,18 +132,28 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int32_t* row_expert_src = p.batched ? nullptr : p.topk_ids;
   const int row_expert_div = p.batched ? static_cast<int>(p.tokens) : 1;
 
-  // 2. act-order: gather each row's inputs in its expert's sorted K order.
+  // 2. act-order: gather each row's inputs in its expert's sorted K order. The wgmma GEMM
+  // (block_m 128) reads its inputs in logical chunk order: permute x's columns (once per token).
   const void* x13 = p.x;
   int in_div = p.batched ? 1 : static_cast<int>(p.top_k);
-  if (p.act_order) {
-    PermuteRowsKernel<T><<<static_cast<int>(rows), 256, 0, stream>>>(
-        static_cast<const T*>(p.x), in_div, row_expert_src, row_expert_div, p.perm13, H,
-        static_cast<int>(rows), E, static_cast<T*>(p.x_perm));
-    err = CudaError("act-order permute kernel");
+  const bool wgmma = p.block_m == kWgmmaBlockM;
+  if (p.act_order || wgmma) {
+    const int perm_rows = p.act_order ? static_cast<int>(rows) : static_cast<int>(rows) / in_div;
+    PermuteRowsKernel<T><<<perm_rows, 256, 0, stream>>>(
+        static_cast<const T*>(p.x), p.act_order ? in_div : 1, row_expert_src, row_expert_div,
+        p.act_order ? p.perm13 : nullptr, wgmma, H, perm_rows, E, static_cast<T*>(p.x_perm));
+    err = CudaError("input permute kernel");
     if (!err.empty()) return err;
     x13 = p.x_perm;
-    in_div = 1;
+    if (p.act_order) in_div = 1;
   }
+  auto launch_gemm = [&](const MoeGemmArgs& args) {
+    if (wgmma) {
+      LaunchMoeInt4Wgmma<T, NibbleCode::kUint4b8>(args, static_cast<int>(max_blocks), stream);
+    } else {
+      LaunchMoeInt4Gemm<T, NibbleCode::kUint4b8>(args, static_cast<int>(max_blocks), stream);
+    }
+  };
 
   // 3. GEMM1 (+ activation).
   MoeGemmArgs g1;
@@ -168,7 +187,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  LaunchMoeInt4Gemm<T, NibbleCode::kUint4b8>(g1, static_cast<int>(max_blocks), stream);
+  launch_gemm(g1);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -201,7 +220,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.ws = p.ws2;
   g2.bias = nullptr;
   g2.act_col = nullptr;
-  LaunchMoeInt4Gemm<T, NibbleCode::kUint4b8>(g2, static_cast<int>(max_blocks), stream);
+  launch_gemm(g2);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 
@@ -237,8 +256,12 @@ int64_t Wna16MoeMaxPadded(const Wna16MoeProblem& p) {
 int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p) { return Wna16MoeMaxPadded(p) / p.block_m; }
 
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
-  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64) {
-    return "block_m must be 8, 16, 32 or 64";
+  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64 &&
+      p.block_m != kWgmmaBlockM) {
+    return "block_m must be 8, 16, 32, 64 or 128";
+  }
+  if (p.block_m == kWgmmaBlockM && (p.split13 != 1 || p.split2 != 1)) {
+    return "block_m 128 (the wgmma GEMM) does not split K: split factors must be 1";
   }
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {

@@ -69,6 +69,12 @@ def num_sms() -> int:
   return int(count) if count else DEFAULT_NUM_SMS
 
 
+# block_m values of the kernels: 8..64 the mma.sync GEMM (MoeInt4GemmKernel), 128 the wgmma GEMM
+# (MoeInt4WgmmaKernel: two warpgroups x 128 weight rows x 128 tokens, no split-K).
+BLOCK_MS = (8, 16, 32, 64, 128)
+WGMMA_BLOCK_M = 128
+
+
 def ctas_per_sm(block_m: int) -> int:
   return 1 if block_m >= 64 else 2
 
@@ -106,6 +112,8 @@ def choose_split(busy_blocks: int, units: int, chunks: int, block_m: int, ws_byt
   1 when the unsplit launch already spans two waves (the tail costs at most ~25 % there, less than
   split-K's f32 workspace traffic) or when the f32 workspace would be too large.
   """
+  if block_m == WGMMA_BLOCK_M:
+    return 1
   ctas = max(1, busy_blocks) * -(-units // WARPS_PER_CTA)
   wave = num_sms() * ctas_per_sm(block_m)
   if ws_bytes > MAX_WORKSPACE_BYTES or ctas >= 2 * wave:

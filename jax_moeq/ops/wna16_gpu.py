@@ -338,8 +338,8 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
     rows, max_tokens = route_ids.shape[0] * route_ids.shape[1], 0
   if block_m is None:
     block_m = _choose_block_m(max_tokens, 1) if batched else _choose_block_m(rows, e)
-  if block_m not in (8, 16, 32, 64):
-    raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
+  if block_m not in _gpu_launch.BLOCK_MS:
+    raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
   mainloop_id = _gpu_launch.mainloop_code(mainloop)
   padded = max(block_m, _max_padded(rows, e, block_m, batched, max_tokens))
   blocks = padded // block_m
@@ -347,6 +347,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
                  min(blocks, _gpu_launch.expected_busy_blocks(rows, e, block_m)))
   split13 = _gpu_launch.choose_split(busy_blocks, i // 16, h // 64, block_m, rows * 2 * i * 4)
   split2 = _gpu_launch.choose_split(busy_blocks, h // 32, i // 64, block_m, 0)
+  permuted_inputs = weights.act_order or block_m == _gpu_launch.WGMMA_BLOCK_M
   dt = x.dtype
   out_shape = x.shape
   results = [
@@ -354,7 +355,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       jax.ShapeDtypeStruct((padded,), jnp.int32),
       jax.ShapeDtypeStruct((blocks,), jnp.int32),
       jax.ShapeDtypeStruct((1,), jnp.int32),
-      jax.ShapeDtypeStruct((rows * h if weights.act_order else 1,), dt),
+      jax.ShapeDtypeStruct((rows * h if permuted_inputs else 1,), dt),
       jax.ShapeDtypeStruct((max(rows, 1) * i,), dt),
       jax.ShapeDtypeStruct((rows * 2 * i if split13 > 1 else 1,), jnp.float32),
       jax.ShapeDtypeStruct((max(rows, 1) * h,), jnp.float32),

@@ -1,0 +1,253 @@
+// Prefill form of the grouped int4 GEMM (block_m 128): Hopper warpgroup MMAs (wgmma) with the
+// dequantized weights as the register A operand and a 128-token tile as the shared-memory B
+// operand. Same MoeGemmArgs, weights, scales and alignment as MoeInt4GemmKernel; no XLA types.
+//
+// Why this form: the weights' packed fragments (int4_mma_core.cuh) are already the A fragments of
+// mma.m16n8k16, which is also the per-warp register layout of wgmma's A operand, so each warp
+// dequantizes its own 16-row subtile straight into the MMA, and the tokens, reused by every row
+// tile, sit once per CTA in shared memory where wgmma reads them without any register traffic.
+//
+// The one cost: wgmma reads B in the logical k order of its 16-deep steps, while a lane's packed
+// weights cover the physical inputs 16t .. 16t+15 of a 64-deep chunk (see int4_mma_core.cuh).
+// Logical position L = 16 s + c of a chunk (k-step s, column c of the step) holds physical input
+//   P(L) = 16 ((c & 7) >> 1) + 4 s + 2 (c >> 3) + (c & 1),
+// so the inputs of GEMM1 are permuted into logical order once per call (PermuteRowsKernel in the
+// launchers) and GEMM1's epilogue writes its activation columns in logical order for GEMM2.
+//
+// CTA: 256 threads = two warpgroups, 1 CTA per SM. Warpgroup w owns "unit" u = 2 blockIdx.y + w:
+// two 64-row tiles (four 16-row subtiles each, one per warp): sub0 = u * unit_mult + warp % 4 and
+// sub0 + sub_stride (GEMM1: gate rows and the matching up rows; GEMM2: 128 consecutive rows).
+// Per 64-deep chunk a stage of shared memory holds the B tile (128 tokens x 64 inputs, 128-byte
+// swizzle), every warp's two weight fragments and every lane's scales; all 256 threads fill it
+// with cp.async kWgmmaAhead chunks ahead, one __syncthreads per chunk.
+#pragma once
+
+#include "cuda/moe_int4_gemm.cuh"
+#include "cuda/wgmma_ops.cuh"
+
+namespace jax_moeq::cuda {
+
+constexpr int kWgmmaBlockM = 128;
+constexpr int kWgmmaThreads = 256;
+constexpr int kWgmmaStages = 5;
+constexpr int kWgmmaAhead = kWgmmaStages - 2;  // the stage refilled was read two chunks ago
+constexpr int kWgStageTokens = kWgmmaBlockM * 128;        // 128 rows x 64 inputs x 2 bytes
+constexpr int kWgStageWeights = (kWgmmaThreads / 32) * 2 * 512;
+constexpr int kWgStageWords = 2 * kWgmmaThreads * 4;      // a scale (or zero) word per tile, lane
+constexpr int kWgStageBytes = kWgStageTokens + kWgStageWeights + 2 * kWgStageWords;  // 28 KB
+constexpr int kWgmmaSmemBytes = kWgmmaStages * kWgStageBytes + 1024;  // + alignment slack
+static_assert(kWgStageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
+
+// Physical input of logical position l (0..63) of a chunk, and its inverse.
+__host__ __device__ constexpr int PhysicalOfLogical(int l) {
+  return 16 * ((l >> 1) & 3) + 4 * (l >> 4) + 2 * ((l >> 3) & 1) + (l & 1);
+}
+__host__ __device__ constexpr int LogicalOfPhysical(int p) {
+  return 16 * ((p >> 2) & 3) + 2 * (p >> 4) + 8 * ((p >> 1) & 1) + (p & 1);
+}
+static_assert(LogicalOfPhysical(PhysicalOfLogical(37)) == 37 &&
+                  LogicalOfPhysical(PhysicalOfLogical(10)) == 10,
+              "chunk permutation and its inverse");
+// Column of the logical-order layout that holds physical column `col` (any chunk).
+__host__ __device__ constexpr int LogicalColumn(int col) {
+  return (col & ~63) | LogicalOfPhysical(col & 63);
+}
+
+// Activations of the token tile: through L2 only (each CTA reads a piece once), zero-filled for
+// padding rows (no read).
+__device__ __forceinline__ void CpAsyncTileOrZero(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SharedAddress(smem)),
+               "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+template <typename T, NibbleCode kCode>
+__global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmArgs p) {
+  const int blk = blockIdx.x;
+  // Whole-CTA exits only (every thread takes part in the barriers below).
+  if (blk * kWgmmaBlockM >= __ldg(p.num_post_padded)) return;
+  if (__ldg(p.sorted_ids + blk * kWgmmaBlockM) >= p.num_rows) return;  // empty block
+  const int expert = __ldg(p.expert_ids + blk);
+  if (expert < 0) return;
+
+  extern __shared__ uint8_t wgmma_smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(wgmma_smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int unit = blockIdx.y * 2 + (warp >> 2);
+  const int n_sub = p.n / 16;
+  const int sub0 = unit * p.unit_mult + (warp & 3);
+  const int sub[2] = {sub0, sub0 + p.sub_stride};
+  // A unit past the end (odd unit count) or a second tile past N (GEMM2 with N % 128 == 64)
+  // computes on subtile 0's weights and stores nothing: branching around the MMAs would make
+  // ptxas serialize every wgmma of the kernel.
+  const bool tile_ok[2] = {unit < p.units, unit < p.units && sub[1] - (warp & 3) + 3 < n_sub};
+  const int chunks = p.k / 64;
+
+  // This thread's pieces of the token tile: rows (tid / 8) + 32 i, 16-byte piece tid % 8.
+  const int piece = tid & 7;
+  const int row_in_atom = (tid >> 3) & 7;
+  const T* xsrc[4];
+  bool xok[4];
+  int tile_off[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = (tid >> 3) + 32 * i;
+    const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + r);
+    xok[i] = id < p.num_rows;
+    xsrc[i] = reinterpret_cast<const T*>(p.x) +
+              (xok[i] ? static_cast<int64_t>(id / p.in_div) * p.ld_x : 0) + 8 * piece;
+    tile_off[i] = (r >> 3) * 1024 + row_in_atom * 128 + ((piece ^ row_in_atom) << 4);
+  }
+  const uint4* wsrc[2];
+  int64_t scale_row[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int s = tile_ok[j] ? sub[j] : 0;
+    wsrc[j] = p.w + (static_cast<int64_t>(expert) * n_sub + s) * chunks * 32 + lane;
+    scale_row[j] = static_cast<int64_t>(expert) * p.groups * n_sub * 8 + s * 8 + g;
+  }
+  auto stage_ptr = [&](int stage) { return smem + stage * kWgStageBytes; };
+  auto weight_slot = [&](uint8_t* st, int j) {
+    return reinterpret_cast<uint4*>(st + kWgStageTokens) + (warp * 2 + j) * 32 + lane;
+  };
+  auto word_slot = [&](uint8_t* st, int q) {  // q: scale of tile 0, 1, zero of tile 0, 1
+    return reinterpret_cast<uint32_t*>(st + kWgStageTokens + kWgStageWeights) +
+           q * kWgmmaThreads + tid;
+  };
+  auto issue = [&](int kc, int stage) {
+    uint8_t* st = stage_ptr(stage);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      CpAsyncTileOrZero(st + tile_off[i], xok[i] ? xsrc[i] + kc * 64 : xsrc[i], xok[i]);
+    }
+    const int group = p.per_group(kc * 64 + 16 * t);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      CpAsyncStream16(weight_slot(st, j), wsrc[j] + kc * 32);
+      const int64_t off = scale_row[j] + static_cast<int64_t>(group) * n_sub * 8;
+      CpAsync4(word_slot(st, j), p.scales + off);
+      if (p.zeros) CpAsync4(word_slot(st, 2 + j), p.zeros + off);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kWgmmaAhead; ++s) {
+    if (s < chunks) issue(s, s);
+    CpAsyncCommit();
+  }
+
+  float acc[2][64];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[j][i] = 0.0f;
+  uint32_t a[2][2][4];  // [k-step parity][tile][register]
+
+  for (int c = 0; c < chunks; ++c) {
+    CpAsyncWait<kWgmmaAhead - 1>();  // this thread's pieces of chunk c have landed
+    FenceProxyAsync();               // ... and are visible to the tensor cores
+    __syncthreads();  // every thread's pieces landed; chunk c - 2's MMAs are done everywhere
+    if (c + kWgmmaAhead < chunks) issue(c + kWgmmaAhead, (c + kWgmmaAhead) % kWgmmaStages);
+    CpAsyncCommit();
+    uint8_t* st = stage_ptr(c % kWgmmaStages);
+    uint32_t words[2][4], s_lo[2], s_hi[2], z_lo[2], z_hi[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint4 wv = *weight_slot(st, j);
+      words[j][0] = wv.x;
+      words[j][1] = wv.y;
+      words[j][2] = wv.z;
+      words[j][3] = wv.w;
+      const uint32_t scale = *word_slot(st, j);
+      const uint32_t zm = p.zeros ? MagicPlusZero<T>(*word_slot(st, 2 + j)) : HalfType<T>::kMagicPlus8;
+      s_lo[j] = BroadcastHalf(scale, false);
+      s_hi[j] = BroadcastHalf(scale, true);
+      z_lo[j] = BroadcastHalf(zm, false);
+      z_hi[j] = BroadcastHalf(zm, true);
+    }
+    const uint64_t desc = SmemDescSwizzle128(SharedAddress(st));
+    // k-step s: dequantize into a[s & 1] (step s - 2, its last reader, is done: see the wait),
+    // issue both tiles' MMAs, then let step s - 1 finish so its registers can be refilled.
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        DequantWord<T, kCode>(words[j][s], s_lo[j], s_hi[j], z_lo[j], z_hi[j], a[s & 1][j]);
+      }
+      WgmmaFence();
+      const uint64_t desc_s = desc + 2 * s;  // + 32 bytes (16 inputs) per k-step
+      WgmmaM64N128K16<T>(acc[0], a[s & 1][0], desc_s);
+      WgmmaM64N128K16<T>(acc[1], a[s & 1][1], desc_s);
+      WgmmaCommit();
+      WgmmaWait<1>();
+    }
+  }
+  WgmmaWait<0>();
+  FenceAccumulators(acc[0]);
+  FenceAccumulators(acc[1]);
+  if (!tile_ok[0]) return;
+
+  // Epilogue: d[4 nb + c] = row g + 8 (c >> 1) of each subtile, token column 8 nb + 2t + (c & 1).
+#pragma unroll
+  for (int nb = 0; nb < 16; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + 8 * nb + 2 * t + e);
+      if (id >= p.num_rows) continue;
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int row = g + 8 * rh;
+        const int i = 4 * nb + 2 * rh + e;
+        if (p.epilogue == EpilogueKind::kActivation) {
+          const int half_n = p.n / 2;
+          const int n = sub[0] * 16 + row;
+          float gate = acc[0][i], up = acc[1][i];
+          if (p.bias) {
+            gate += p.bias[static_cast<int64_t>(expert) * p.n + n];
+            up += p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
+          }
+          const float v = RoundTo<T>(ApplyActivation(p.activation, RoundTo<T>(gate), RoundTo<T>(up)));
+          const int col =
+              p.act_col ? __ldg(p.act_col + static_cast<int64_t>(expert) * half_n + n) : n;
+          StoreHalf<T>(p.act, static_cast<int64_t>(id) * half_n + LogicalColumn(col), v);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            if (!tile_ok[j]) continue;
+            p.ws[static_cast<int64_t>(id) * p.n + sub[j] * 16 + row] = acc[j][i];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Host: one launch for block_m 128. `args` carries the per-warp unit geometry of the mma.sync
+// kernel (GEMM1: unit_mult 1, sub_stride N/32; GEMM2: unit_mult 2, sub_stride 1); it becomes the
+// per-warpgroup geometry here. Split-K does not apply (splits must be 1).
+template <typename T, NibbleCode kCode>
+void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStream_t stream) {
+  MoeGemmArgs args = group_args;
+  args.per_group = MakeFastDiv(static_cast<uint32_t>(args.k / args.groups));
+  const int n_sub = args.n / 16;
+  if (args.unit_mult == 1) {  // GEMM1: gate subtiles 4u..4u+3 and the up subtiles N/32 later
+    args.units = n_sub / 2 / 4;
+    args.unit_mult = 4;
+  } else {  // GEMM2: subtiles 8u..8u+7
+    args.units = (n_sub + 7) / 8;
+    args.unit_mult = 8;
+    args.sub_stride = 4;
+  }
+  const dim3 grid(max_blocks, (args.units + 1) / 2);
+  static const bool opted_in = [] {
+    auto kernel = MoeInt4WgmmaKernel<T, kCode>;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kWgmmaSmemBytes) == cudaSuccess;
+  }();
+  (void)opted_in;
+  MoeInt4WgmmaKernel<T, kCode><<<grid, kWgmmaThreads, kWgmmaSmemBytes, stream>>>(args);
+}
+
+}  // namespace jax_moeq::cuda
