@@ -12,29 +12,6 @@ namespace {
 
 constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
-// x_perm[id][j] = x[id / in_div][perm[e][c(j)]], e the row's expert (act-order; without perm the
-// column is c(j)), where c(j) = j, or the physical column of logical position j when
-// logical_chunks (the wgmma GEMM's input order, moe_int4_wgmma.cuh).
-template <typename T>
-__global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* row_expert_src,
-                                  int row_expert_div, const int32_t* perm, bool logical_chunks,
-                                  int hidden, int rows, int experts, T* x_perm) {
-  const int id = blockIdx.x;
-  if (id >= rows) return;
-  const int32_t* pe = nullptr;
-  if (perm) {
-    const int e = row_expert_src ? row_expert_src[id] : id / row_expert_div;
-    if (e < 0 || e >= experts) return;
-    pe = perm + static_cast<int64_t>(e) * hidden;
-  }
-  const T* src = x + static_cast<int64_t>(id / in_div) * hidden;
-  T* dst = x_perm + static_cast<int64_t>(id) * hidden;
-  for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-    const int c = logical_chunks ? (j & ~63) | PhysicalOfLogical(j & 63) : j;
-    dst[j] = src[pe ? pe[c] : c];
-  }
-}
-
 // GEMM1 finalize after split-K: act[id][col] from ws13[id][0:2I].
 template <typename T>
 __global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
