@@ -79,6 +79,9 @@ def main():
   ap.add_argument("--shapes", default=",".join(SHAPES))
   ap.add_argument("--tokens", default=None, help="comma-separated T values")
   ap.add_argument("--no-peers", action="store_true", help="skip ragged_dot / torch")
+  ap.add_argument("--alt-block-m", type=int, default=None,
+                  help="time the 'alt' column with this block_m (e.g. 128: the wgmma GEMM) "
+                       "instead of mainloop='async_ring'")
   args = ap.parse_args()
   try:
     import torch  # noqa: F401
@@ -106,9 +109,11 @@ def main():
     ours = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(
         x, l, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
         routing_method=RoutingMethodType.Renormalize))
-    ring = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(  # the cp.async main loop
+    alt_kw = (dict(block_m=args.alt_block_m) if args.alt_block_m else
+              dict(mainloop="async_ring"))
+    ring = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(  # the alternative launch
         x, l, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
-        routing_method=RoutingMethodType.Renormalize, mainloop="async_ring"))
+        routing_method=RoutingMethodType.Renormalize, **alt_kw))
 
     def ragged_routed(x, logits, w13, w2):
       chosen, ids = jax.lax.top_k(logits, k)
@@ -151,9 +156,10 @@ def main():
   print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print("us: per call, back-to-back jitted calls (as the peers); gpu us: per call inside one "
-        "jitted lax.scan (no host dispatch); ring us: as us, mainloop='async_ring'; TB/s, %HBM, "
+        "jitted lax.scan (no host dispatch); alt us: as us, " +
+        (f"block_m={args.alt_block_m}" if args.alt_block_m else "mainloop='async_ring'") + "; TB/s, %HBM, "
         "TFLOP/s from us")
-  print(f"{'shape':18} {'T':>5} {'us':>9} {'gpu us':>8} {'ring us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
+  print(f"{'shape':18} {'T':>5} {'us':>9} {'gpu us':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   for r in rows:

@@ -189,7 +189,7 @@ def test_model_shapes(name, e, k, h, i, method, t):
 @pytest.mark.parametrize("block_m,mainloop", [
     (8, "registers"), (16, "registers"), (32, "registers"), (64, "registers"),
     (8, "async_ring"), (16, "async_ring"), (32, "async_ring"), (8, "bulk_copy"),
-    (16, "bulk_copy")])
+    (16, "bulk_copy"), (128, "registers")])
 def test_block_sizes(block_m, mainloop):
   e, k, h, i, t = 16, 2, 256, 192, 100
   prepared, canon = _experts(block_m, e, h, i)
@@ -200,6 +200,26 @@ def test_block_sizes(block_m, mainloop):
   assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), "unwritten outputs"
   ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.TopK)
   assert _rel(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("name,e,k,h,i,t", [
+    ("Qwen3-30B-A3B", 128, 8, 2048, 768, 1024),
+    ("DeepSeek-V2-Lite", 64, 6, 2048, 1408, 257),
+    ("odd units", 8, 2, 320, 192, 300)])
+def test_wgmma_prefill(name, e, k, h, i, t):
+  """The wgmma GEMM (block_m 128) on model shapes, several 128-row blocks per expert, and on
+  I/64 odd with H % 128 == 64 (idle warpgroup, second tile past N); also vs block_m 32."""
+  prepared, canon = _experts(t + 3, e, h, i)
+  x, logits, _ = _inputs(t + 3, t, e, h)
+  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
+  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
+                   block_m=128, out_init=poison)
+  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), f"{name}: unwritten outputs"
+  ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.Renormalize)
+  assert _rel(out, ref) <= TOL
+  small, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
+                     block_m=32)
+  assert _rel(out, small) <= 5e-3  # same rounding points; f32 summation order only
 
 
 @pytest.mark.parametrize("t", [1, 16])
@@ -229,7 +249,8 @@ def test_handler_rejects_bad_buffers():
              jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
              jax.ShapeDtypeStruct((t * k * i,), jnp.bfloat16),
              jax.ShapeDtypeStruct((1,), jnp.float32),
-             jax.ShapeDtypeStruct((t * k * h,), jnp.float32)]
+             jax.ShapeDtypeStruct((t * k * h,), jnp.float32),
+             jax.ShapeDtypeStruct((1,), jnp.bfloat16)]
   call = jax.ffi.ffi_call(mxint4_gpu.FFI_TARGET, results)
   attrs = dict(top_k=np.int64(k), intermediate_size=np.int64(i), local_expert_offset=np.int64(0),
                routing_method=np.int64(3), num_expert_group=np.int64(1), topk_group=np.int64(1),

@@ -68,7 +68,8 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
                          ffi::Result<ffi::AnyBuffer> expert_ids,
                          ffi::Result<ffi::AnyBuffer> num_post_padded,
                          ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> ws13,
-                         ffi::Result<ffi::AnyBuffer> ws2, int64_t top_k,
+                         ffi::Result<ffi::AnyBuffer> ws2,
+                         ffi::Result<ffi::AnyBuffer> x_perm, int64_t top_k,
                          int64_t intermediate_size, int64_t local_expert_offset,
                          int64_t routing_method, int64_t num_expert_group, int64_t topk_group,
                          float routed_scaling_factor, bool has_bias, int64_t block_m,
@@ -127,6 +128,7 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   RETURN_IF_ERROR(CheckScratch("act", *act, ffi::BF16, T * K * I));
   if (p.split13 > 1) RETURN_IF_ERROR(CheckScratch("ws13", *ws13, ffi::F32, T * K * 2 * I));
   RETURN_IF_ERROR(CheckScratch("ws2", *ws2, ffi::F32, T * K * H));
+  if (p.block_m == 128) RETURN_IF_ERROR(CheckScratch("x_perm", *x_perm, ffi::BF16, T * H));
 
   p.x = x.untyped_data();
   p.logits = logits.untyped_data();
@@ -144,6 +146,7 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   p.act = act->untyped_data();
   p.ws13 = static_cast<float*>(ws13->untyped_data());
   p.ws2 = static_cast<float*>(ws2->untyped_data());
+  p.x_perm = x_perm->untyped_data();
   err = cuda::RunMxInt4Moe(p, stream);
   if (!err.empty()) return ffi::Error::Internal("jax_moeq_mxint4_moe_cuda: " + err);
   return ffi::Error::Success();
@@ -158,12 +161,14 @@ ffi::Error MxInt4MoeIntoImpl(
     ffi::Result<ffi::AnyBuffer> local_ids, ffi::Result<ffi::AnyBuffer> sorted_ids,
     ffi::Result<ffi::AnyBuffer> expert_ids, ffi::Result<ffi::AnyBuffer> num_post_padded,
     ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> ws13,
-    ffi::Result<ffi::AnyBuffer> ws2, int64_t top_k, int64_t intermediate_size,
+    ffi::Result<ffi::AnyBuffer> ws2, ffi::Result<ffi::AnyBuffer> x_perm, int64_t top_k,
+    int64_t intermediate_size,
     int64_t local_expert_offset, int64_t routing_method, int64_t num_expert_group,
     int64_t topk_group, float routed_scaling_factor, bool has_bias, int64_t block_m,
     int64_t split13, int64_t split2, int64_t mainloop) {
   return MxInt4MoeImpl(stream, x, logits, bias, w13, s13, w2, s2, out, topk_ids, topk_weights,
-                       local_ids, sorted_ids, expert_ids, num_post_padded, act, ws13, ws2, top_k,
+                       local_ids, sorted_ids, expert_ids, num_post_padded, act, ws13, ws2, x_perm,
+                       top_k,
                        intermediate_size, local_expert_offset, routing_method, num_expert_group,
                        topk_group, routed_scaling_factor, has_bias, block_m, split13, split2,
                        mainloop);
@@ -194,6 +199,7 @@ auto BindResultsAndAttrs(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // act
       .template Ret<ffi::AnyBuffer>()  // ws13
       .template Ret<ffi::AnyBuffer>()  // ws2
+      .template Ret<ffi::AnyBuffer>()  // x_perm (block_m 128)
       .template Attr<int64_t>("top_k")
       .template Attr<int64_t>("intermediate_size")
       .template Attr<int64_t>("local_expert_offset")

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "cuda/moe_int4_gemm.cuh"
+#include "cuda/moe_int4_wgmma.cuh"
 #include "cuda/mxint4_moe.h"
 
 namespace jax_moeq::cuda {
@@ -112,8 +113,12 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
       return "top_k exceeds the experts of the kept groups";
     }
   }
-  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64) {
-    return "block_m must be 8, 16, 32 or 64";
+  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64 &&
+      p.block_m != kWgmmaBlockM) {
+    return "block_m must be 8, 16, 32, 64 or 128";
+  }
+  if (p.block_m == kWgmmaBlockM && (p.split13 != 1 || p.split2 != 1)) {
+    return "block_m 128 (the wgmma GEMM) does not split K: split factors must be 1";
   }
   if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
   if (p.mainloop < 0 || p.mainloop > 2) {
@@ -150,9 +155,26 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   err = CudaError("alignment kernel");
   if (!err.empty()) return err;
 
-  // 3. GEMM1 (+ SwiGLU in the epilogue unless split).
+  // 3. GEMM1 (+ SwiGLU in the epilogue unless split). The wgmma GEMM (block_m 128) reads its
+  // inputs in logical chunk order: permute x's columns once per token.
+  const bool wgmma = p.block_m == kWgmmaBlockM;
+  if (wgmma) {
+    const int tokens = static_cast<int>(p.tokens);
+    PermuteRowsKernel<Bf16><<<tokens, 256, 0, stream>>>(static_cast<const Bf16*>(p.x), 1, nullptr,
+                                                        1, nullptr, true, H, tokens, L,
+                                                        static_cast<Bf16*>(p.x_perm));
+    err = CudaError("input permute kernel");
+    if (!err.empty()) return err;
+  }
+  auto launch_gemm = [&](const MoeGemmArgs& args) {
+    if (wgmma) {
+      LaunchMoeInt4Wgmma<Bf16, NibbleCode::kSignedInt4>(args, max_blocks, stream);
+    } else {
+      LaunchMoeInt4Gemm<Bf16, NibbleCode::kSignedInt4>(args, max_blocks, stream);
+    }
+  };
   MoeGemmArgs g1;
-  g1.x = p.x;
+  g1.x = wgmma ? p.x_perm : p.x;
   g1.ld_x = H;
   g1.in_div = static_cast<int>(p.top_k);
   g1.sorted_ids = p.sorted_ids;
@@ -182,7 +204,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  LaunchMoeInt4Gemm<Bf16, NibbleCode::kSignedInt4>(g1, max_blocks, stream);
+  launch_gemm(g1);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -209,7 +231,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;  // zeroed by the alignment launch when split
-  LaunchMoeInt4Gemm<Bf16, NibbleCode::kSignedInt4>(g2, max_blocks, stream);
+  launch_gemm(g2);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 

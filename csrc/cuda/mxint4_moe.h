@@ -66,6 +66,7 @@ struct MxInt4MoeProblem {
   void* act = nullptr;               // bf16 [T*K, I]
   float* ws13 = nullptr;             // [T*K, 2I] (split13 > 1)
   float* ws2 = nullptr;              // [T*K, H]
+  void* x_perm = nullptr;            // bf16 [T, H]: x in logical chunk order (block_m 128)
 };
 
 int64_t MxInt4MoeMaxPadded(const MxInt4MoeProblem& p);

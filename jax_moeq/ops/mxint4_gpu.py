@@ -311,8 +311,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   local_pairs = pairs * el / num_experts  # expected, for the heuristics
   if block_m is None:
     block_m = _gpu_launch.choose_block_m(local_pairs / max(1.0, min(el, local_pairs)))
-  if block_m not in (8, 16, 32, 64):
-    raise ValueError(f"block_m must be 8, 16, 32 or 64, got {block_m}")
+  if block_m not in _gpu_launch.BLOCK_MS:
+    raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
   if mainloop is None:
     mainloop = _gpu_launch.default_mainloop("mxint4", block_m)
   mainloop_id = _gpu_launch.mainloop_code(mainloop)
@@ -338,6 +338,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
       jax.ShapeDtypeStruct((pairs * i,), jnp.bfloat16),   # act
       jax.ShapeDtypeStruct((pairs * 2 * i if split13 > 1 else 1,), jnp.float32),  # ws13
       jax.ShapeDtypeStruct((pairs * h,), jnp.float32),    # ws2
+      jax.ShapeDtypeStruct((t * h if block_m == _gpu_launch.WGMMA_BLOCK_M else 1,),
+                           jnp.bfloat16),                 # x_perm
   ]
   operands = [x, router_logits, bias, w13_packed, w13_scale, w2_packed, w2_scale]
   attrs = dict(top_k=np.int64(top_k), intermediate_size=np.int64(i),
