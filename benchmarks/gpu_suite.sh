@@ -43,7 +43,8 @@ e, h, i, t, k = 8, 256, 128, 5, 2
 kq = jax.random.split(jax.random.PRNGKey(0), 6)
 q13 = jax.random.randint(kq[0], (e, 2 * i, h), -8, 8).astype(jnp.int8)
 q2 = jax.random.randint(kq[1], (e, h, i), -8, 8).astype(jnp.int8)
-for act_order, batched in ((False, False), (True, False), (False, True)):
+for act_order, batched, block_m in ((False, False, None), (True, False, None), (False, True, None),
+                                    (False, False, 128), (True, False, 128), (False, True, 128)):
   gi = dict(w13_g_idx=jax.random.permutation(kq[2], jnp.tile(jnp.arange(h) // 64, (e, 1)), axis=1,
                                              independent=True),
             w2_g_idx=jax.random.permutation(kq[3], jnp.tile(jnp.arange(i) // 64, (e, 1)), axis=1,
@@ -54,12 +55,13 @@ for act_order, batched in ((False, False), (True, False), (False, True)):
       group_size=64, **gi)
   if batched:
     x = jax.random.normal(kq[4], (e, 3, h)).astype(jnp.bfloat16)
-    y = wna16_gpu.batched_fused_marlin_moe(x, jnp.arange(e, dtype=jnp.int32) % 4, w)
+    y = wna16_gpu.batched_fused_marlin_moe(x, jnp.arange(e, dtype=jnp.int32) % 4, w,
+                                           block_m=block_m)
   else:
     x = jax.random.normal(kq[4], (t, h)).astype(jnp.bfloat16)
     ids = jax.random.randint(kq[5], (t, k), 0, e)
-    y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids)
-  print("case", act_order, batched, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+    y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids, block_m=block_m)
+  print("case", act_order, batched, block_m, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
   # Platform allocator: each buffer its own cudaMalloc, so overruns are visible.
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 9 \

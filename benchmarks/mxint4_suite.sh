@@ -69,6 +69,9 @@ for method, kw, local, rank in ((RM.Renormalize, {}, e, 0), (RM.DeepSeekV3, dict
                             num_experts=e, top_k=k, intermediate_size=i, local_num_experts=local,
                             ep_rank=rank, routing_method=method, **kw)
   print("case", method.name, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+y = mxint4_gpu.mxint4_moe(x, logits, *w, num_experts=e, top_k=k, intermediate_size=i,
+                          local_num_experts=e, routing_method=RM.Renormalize, block_m=128)
+print("case wgmma", bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
   compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$PY" /tmp/mxint4_memcheck_case.py >"$OUT/memcheck.log" 2>&1

@@ -16,9 +16,13 @@ def _ctas(busy, units, split):
   return busy * -(-units // launch.WARPS_PER_CTA) * split
 
 
-def test_block_m_follows_pairs_per_expert_and_stops_at_32():
-  assert [launch.choose_block_m(p) for p in (0.25, 1, 8, 8.5, 16, 17, 500)] == [
-      8, 8, 8, 16, 16, 32, 32]
+def test_block_m_follows_pairs_per_expert_then_takes_the_wgmma_gemm():
+  assert [launch.choose_block_m(p) for p in (0.25, 1, 8, 8.5, 16, 17, 47.9, 48, 500)] == [
+      8, 8, 8, 16, 16, 32, 32, 128, 128]
+
+
+def test_wgmma_block_never_splits_k():
+  assert launch.choose_split(1, 16, 224, launch.WGMMA_BLOCK_M, 0) == 1
 
 
 def test_ctas_per_sm_follows_registers():

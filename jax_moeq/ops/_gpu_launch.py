@@ -76,11 +76,18 @@ WGMMA_BLOCK_M = 128
 
 
 def ctas_per_sm(block_m: int) -> int:
-  return 1 if block_m >= 64 else 2
+  return 1 if block_m >= 64 else 2  # 64: 197 registers; 128: 207 registers and 141 KB of smem
+
+
+# Expected pairs per expert from which the wgmma GEMM (block_m 128) wins, measured on an H100
+# (2026-11-23, WNA16, us per layer, block_m 32 vs 128): Qwen3-30B-A3B 32 pairs/expert 328 vs 390,
+# 64: 532 vs 461; Mixtral 32: 665 vs 678, 128: 1873 vs 1258; DeepSeek-V2-Lite 96: 627 vs 470.
+WGMMA_MIN_PAIRS_PER_EXPERT = 48
 
 
 def choose_block_m(pairs_per_expert: float) -> int:
-  """Smallest block of 8 / 16 rows that holds an expert's expected pairs, else 32.
+  """Smallest block of 8 / 16 rows that holds an expert's expected pairs, else 32; from
+  WGMMA_MIN_PAIRS_PER_EXPERT pairs per expert on, 128 (the wgmma GEMM).
 
   block_m 64 (MT 8, 197 registers, one CTA per SM) measured slower than 32 on an H100 wherever
   it was chosen: MxInt4 Qwen3 T=1024 854 vs 631 us, Mixtral T=4096 18.5 vs 15.2 ms; WNA16
@@ -89,6 +96,8 @@ def choose_block_m(pairs_per_expert: float) -> int:
   for bm in (8, 16):
     if pairs_per_expert <= bm:
       return bm
+  if pairs_per_expert >= WGMMA_MIN_PAIRS_PER_EXPERT:
+    return WGMMA_BLOCK_M
   return 32
 
 

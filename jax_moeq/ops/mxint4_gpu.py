@@ -390,7 +390,8 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       in float32 (the seed rounds it to bf16 first; pass a bf16-rounded bias to match).
     routing_method: a `RoutingMethodType` (Default, Renormalize, DeepSeekV3, Llama4,
       RenormalizeNaive, TopK, SigmoidRenorm, MiniMax2, Sigmoid).
-    block_m: tokens per expert block (8/16/32/64); default from the routing density.
+    block_m: tokens per expert block (8/16/32/64, or 128: the wgmma GEMM); default from the
+      routing density (_gpu_launch.choose_block_m).
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
     mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS); None picks the measured-fastest for
       the block_m ("async_ring" up to block_m 16, else "registers").

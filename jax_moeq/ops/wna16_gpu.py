@@ -400,7 +400,8 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     topk_weights: [T, K] float32; topk_ids: [T, K] int32 (int64 accepted). Ids outside [0, E)
       contribute nothing (the kernel cannot raise on data).
     activation_kind: 0 silu(g)·u, 1 swigluoai, 2 silu (== 0).
-    block_m: tokens per expert block (8/16/32/64); default from the routing density.
+    block_m: tokens per expert block (8/16/32/64, or 128: the wgmma GEMM); default from the
+      routing density (_gpu_launch.choose_block_m).
     out_init: optional buffer aliased to the output (tests poison it with NaN).
     mainloop: GEMM main loop, "registers" (default), "async_ring" or "bulk_copy" (see
       `_gpu_launch.MAINLOOPS`).
