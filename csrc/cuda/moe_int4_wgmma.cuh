@@ -53,12 +53,32 @@ __host__ __device__ constexpr int LogicalColumn(int col) {
   return (col & ~63) | LogicalOfPhysical(col & 63);
 }
 
-// Activations of the token tile: through L2 only (each CTA reads a piece once), zero-filled for
-// padding rows (no read).
-__device__ __forceinline__ void CpAsyncTileOrZero(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SharedAddress(smem)),
-               "l"(gmem), "r"(valid ? 16 : 0)
+// Copies and loads on 32-bit shared-window addresses. Token tile: through L2 only (each CTA reads
+// a piece once), `src_bytes` 0 zero-fills without reading (padding rows).
+__device__ __forceinline__ void CpAsyncSharedOrZero(uint32_t dst, const void* src,
+                                                    uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
                : "memory");
+}
+__device__ __forceinline__ void CpAsyncSharedStream(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void CpAsyncShared4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ uint4 LdShared128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t LdShared32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  return v;
 }
 
 // x_perm[id][j] = x[id / in_div][perm[e][c(j)]], e the row's expert (act-order; without perm the
@@ -99,9 +119,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   const int expert = __ldg(p.expert_ids + blk);
   if (expert < 0) return;
 
-  extern __shared__ uint8_t wgmma_smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(wgmma_smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  // Shared memory is addressed in the 32-bit shared window throughout: generic pointers into it
+  // cost a window lookup and a generic load per access (ncu: the per-chunk address arithmetic
+  // and generic loads were most of the ~320 instructions a warp issued per chunk, and the MMAs
+  // waited on them).
+  extern __shared__ __align__(1024) uint8_t wgmma_smem_raw[];
+  const uint32_t smem = (SharedAddress(wgmma_smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int unit = n_tile * 2 + (warp >> 2);
@@ -114,58 +137,61 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   const bool tile_ok[2] = {unit < p.units, unit < p.units && sub[1] - (warp & 3) + 3 < n_sub};
   const int chunks = p.k / 64;
 
-  // This thread's pieces of the token tile: rows (tid / 8) + 32 i, 16-byte piece tid % 8.
+  // This thread's pieces of the token tile: rows (tid / 8) + 32 i, 16-byte piece tid % 8, at
+  // tile_off + 4096 i in a stage. Padding rows read nothing (source size 0) from row 0.
   const int piece = tid & 7;
   const int row_in_atom = (tid >> 3) & 7;
-  const T* xsrc[4];
-  bool xok[4];
-  int tile_off[4];
+  const uint32_t tile_off = (tid >> 6) * 1024 + row_in_atom * 128 + ((piece ^ row_in_atom) << 4);
+  const T* xcur[4];
+  uint32_t xbytes[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int r = (tid >> 3) + 32 * i;
-    const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + r);
-    xok[i] = id < p.num_rows;
-    xsrc[i] = reinterpret_cast<const T*>(p.x) +
-              (xok[i] ? static_cast<int64_t>(id / p.in_div) * p.ld_x : 0) + 8 * piece;
-    tile_off[i] = (r >> 3) * 1024 + row_in_atom * 128 + ((piece ^ row_in_atom) << 4);
+    const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + (tid >> 3) + 32 * i);
+    const bool ok = id < p.num_rows;
+    xbytes[i] = ok ? 16 : 0;
+    xcur[i] = reinterpret_cast<const T*>(p.x) +
+              (ok ? static_cast<int64_t>(id / p.in_div) * p.ld_x : 0) + 8 * piece;
   }
-  const uint4* wsrc[2];
-  int64_t scale_row[2];
+  const uint4* wcur[2];
+  const uint32_t* scale_base[2];
+  const uint32_t* zero_base[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int s = tile_ok[j] ? sub[j] : 0;
-    wsrc[j] = p.w + (static_cast<int64_t>(expert) * n_sub + s) * chunks * 32 + lane;
-    scale_row[j] = static_cast<int64_t>(expert) * p.groups * n_sub * 8 + s * 8 + g;
+    wcur[j] = p.w + (static_cast<int64_t>(expert) * n_sub + s) * chunks * 32 + lane;
+    const int64_t row = static_cast<int64_t>(expert) * p.groups * n_sub * 8 + s * 8 + g;
+    scale_base[j] = p.scales + row;
+    zero_base[j] = p.zeros ? p.zeros + row : nullptr;
   }
-  auto stage_ptr = [&](int stage) { return smem + stage * kWgStageBytes; };
-  auto weight_slot = [&](uint8_t* st, int j) {
-    return reinterpret_cast<uint4*>(st + kWgStageTokens) + (warp * 2 + j) * 32 + lane;
-  };
-  auto word_slot = [&](uint8_t* st, int q) {  // q: scale of tile 0, 1, zero of tile 0, 1
-    return reinterpret_cast<uint32_t*>(st + kWgStageTokens + kWgStageWeights) +
-           q * kWgmmaThreads + tid;
-  };
-  auto issue = [&](int kc, int stage) {
-    uint8_t* st = stage_ptr(stage);
+  const uint32_t group_stride = static_cast<uint32_t>(n_sub) * 8;
+  const uint32_t weight_off = kWgStageTokens + (warp * 2 * 32 + lane) * 16;  // tile j: + 512 j
+  const uint32_t word_off = kWgStageTokens + kWgStageWeights + tid * 4;  // word q: + 1024 q
+  // Chunks are issued in order, each from the cursors, which then move one chunk on.
+  auto issue = [&](int kc, uint32_t st) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      CpAsyncTileOrZero(st + tile_off[i], xok[i] ? xsrc[i] + kc * 64 : xsrc[i], xok[i]);
+      CpAsyncSharedOrZero(st + tile_off + 4096 * i, xcur[i], xbytes[i]);
+      xcur[i] += 64;
     }
-    const int group = p.per_group(kc * 64 + 16 * t);
+    const uint32_t goff = static_cast<uint32_t>(p.per_group(kc * 64 + 16 * t)) * group_stride;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      CpAsyncStream16(weight_slot(st, j), wsrc[j] + kc * 32);
-      const int64_t off = scale_row[j] + static_cast<int64_t>(group) * n_sub * 8;
-      CpAsync4(word_slot(st, j), p.scales + off);
-      if (p.zeros) CpAsync4(word_slot(st, 2 + j), p.zeros + off);
+      CpAsyncSharedStream(st + weight_off + 512 * j, wcur[j]);
+      wcur[j] += 32;
+      CpAsyncShared4(st + word_off + 1024 * j, scale_base[j] + goff);
+      if (zero_base[j]) CpAsyncShared4(st + word_off + 1024 * (2 + j), zero_base[j] + goff);
     }
   };
 
+  uint32_t write_stage = smem;
 #pragma unroll
   for (int s = 0; s < kWgmmaAhead; ++s) {
-    if (s < chunks) issue(s, s);
+    if (s < chunks) issue(s, write_stage);
     CpAsyncCommit();
+    write_stage += kWgStageBytes;
   }
+  const uint32_t last_stage = smem + (kWgmmaStages - 1) * kWgStageBytes;
+  uint32_t read_stage = smem;
 
   float acc[2][64];
 #pragma unroll
@@ -178,25 +204,28 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
     CpAsyncWait<kWgmmaAhead - 1>();  // this thread's pieces of chunk c have landed
     FenceProxyAsync();               // ... and are visible to the tensor cores
     __syncthreads();  // every thread's pieces landed; chunk c - 2's MMAs are done everywhere
-    if (c + kWgmmaAhead < chunks) issue(c + kWgmmaAhead, (c + kWgmmaAhead) % kWgmmaStages);
+    if (c + kWgmmaAhead < chunks) issue(c + kWgmmaAhead, write_stage);
     CpAsyncCommit();
-    uint8_t* st = stage_ptr(c % kWgmmaStages);
+    write_stage = write_stage == last_stage ? smem : write_stage + kWgStageBytes;
+    const uint32_t st = read_stage;
+    read_stage = read_stage == last_stage ? smem : read_stage + kWgStageBytes;
     uint32_t words[2][4], s_lo[2], s_hi[2], z_lo[2], z_hi[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const uint4 wv = *weight_slot(st, j);
+      const uint4 wv = LdShared128(st + weight_off + 512 * j);
       words[j][0] = wv.x;
       words[j][1] = wv.y;
       words[j][2] = wv.z;
       words[j][3] = wv.w;
-      const uint32_t scale = *word_slot(st, j);
-      const uint32_t zm = p.zeros ? MagicPlusZero<T>(*word_slot(st, 2 + j)) : HalfType<T>::kMagicPlus8;
+      const uint32_t scale = LdShared32(st + word_off + 1024 * j);
+      const uint32_t zm = p.zeros ? MagicPlusZero<T>(LdShared32(st + word_off + 1024 * (2 + j)))
+                                  : HalfType<T>::kMagicPlus8;
       s_lo[j] = BroadcastHalf(scale, false);
       s_hi[j] = BroadcastHalf(scale, true);
       z_lo[j] = BroadcastHalf(zm, false);
       z_hi[j] = BroadcastHalf(zm, true);
     }
-    const uint64_t desc = SmemDescSwizzle128(SharedAddress(st));
+    const uint64_t desc = SmemDescSwizzle128(st);
     // k-step s: dequantize into a[s & 1] (step s - 2, its last reader, is done: see the wait),
     // issue both tiles' MMAs, then let step s - 1 finish so its registers can be refilled.
 #pragma unroll
