@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # GPU calls that fit a short lease: build, per-kernel times (ncu) of the WNA16 op at decode and
-# prefill for both GEMM main loops, the WNA16 + MxInt4 GPU tests, and a quick benchmark.
-#   STAGES="build ncu test bench" (default: build ncu); each stage is time-boxed; logs in $OUT.
+# prefill for both GEMM main loops, the WNA16 + MxInt4 GPU tests, and a quick benchmark; for the
+# wgmma prefill GEMM (block_m 128): its tests, an ncu look at its two launches (pipe use, stall
+# counters, memory throughput) and a timing of the default launch beside block_m 128.
+#   STAGES="build ncu test bench prefill_test prefill_ncu prefill_bench" (default: build ncu);
+#   each stage is time-boxed; logs in $OUT.
 #   NCU_CASES="Mixtral-8x7B:1 Mixtral-8x7B:4096 Qwen3-30B-A3B:1" (shape:T pairs)
+#   PREFILL_NCU_CASE="Mixtral-8x7B 1024"; PREFILL_TEST_K="wgmma"; BENCH_SHAPES, BENCH_TOKENS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_profile}
@@ -45,4 +49,28 @@ if has bench; then
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/gpu_moe_bench.py --quick --json "$OUT/bench.json" \
     ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   echo "== bench (rc=$?)"; tail -12 "$OUT/bench.log"
+fi
+
+if has prefill_test; then
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/test_wna16_gpu.py tests/test_mxint4_gpu.py \
+    -k "${PREFILL_TEST_K:-wgmma}" -q -rs -p no:cacheprovider >"$OUT/prefill_test.log" 2>&1
+  echo "== prefill tests (rc=$?): $(tail -1 "$OUT/prefill_test.log")"
+  grep -E "FAILED|Error" "$OUT/prefill_test.log" | head
+fi
+
+if has prefill_ncu; then
+  read -r shape t <<<"${PREFILL_NCU_CASE:-Mixtral-8x7B 1024}"
+  timeout 240 ncu -k regex:Wgmma -c 2 --section SpeedOfLight --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --page raw \
+    python3 benchmarks/wna16_kernel_times.py "$shape" "$t" - 128 >"$OUT/prefill_ncu.log" 2>&1
+  echo "== ncu of the wgmma GEMMs, $shape T=$t (rc=$?)"
+  grep -E "MoeInt4Wgmma|gpu__time_duration.sum|issue_stalled_.*per_issue_active|issue_active.avg.per_cycle|pipe_tensor.*pct" \
+    "$OUT/prefill_ncu.log" | sed -E 's/ +/ /g' | cut -c1-150 | head -60
+fi
+
+if has prefill_bench; then
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/gpu_moe_bench.py --no-torch \
+    --shapes "${BENCH_SHAPES:-Mixtral-8x7B,Qwen3-30B-A3B}" --tokens "${BENCH_TOKENS:-64,256,4096}" \
+    --alt-block-m 128 --json "$OUT/prefill_bench.json" >"$OUT/prefill_bench.log" 2>&1
+  echo "== prefill bench (rc=$?)"; tail -8 "$OUT/prefill_bench.log"
 fi

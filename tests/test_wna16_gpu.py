@@ -179,22 +179,33 @@ STANDARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", STANDARD_CASES, ids=lambda c: "T{}_E{}_K{}_H{}_I{}_g{}_{}{}{}{}_a{}".format(
-    c[0], c[1], c[2], c[3], c[4], c[5], jnp.dtype(c[6]).name, "_ao" if c[7] else "",
-    "_zp" if c[8] else "", "_bias" if c[9] else "", c[10]))
-def test_standard_vs_reference(case):
+def _case_id(c):
+  return "T{}_E{}_K{}_H{}_I{}_g{}_{}{}{}{}_a{}".format(
+      c[0], c[1], c[2], c[3], c[4], c[5], jnp.dtype(c[6]).name, "_ao" if c[7] else "",
+      "_zp" if c[8] else "", "_bias" if c[9] else "", c[10])
+
+
+def _run_case(case, **launch):
+  """One (T, E, K, H, I, group, dtype, act_order, zeros, bias, activation) case on fresh random
+  weights, routing and inputs, jitted, into a NaN-poisoned output: (got as f32, reference, the
+  op's operands)."""
   t, e, k, h, i, group, dtype, act_order, zeros, bias, kind = case
   seed = hash(case) % 1000
   weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
-  topk_w, topk_ids = _routing(seed, t, e, k)  # fresh random routing and inputs per case
+  topk_w, topk_ids = _routing(seed, t, e, k)
   x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
   poison = jnp.full((t, h), jnp.nan, dtype)
-  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind))
-  got = run(x, weights, topk_w, topk_ids, out_init=poison)
-  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
-  got = np.asarray(got.astype(jnp.float32))
+  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind, **launch))
+  got = np.asarray(run(x, weights, topk_w, topk_ids, out_init=poison).astype(jnp.float32))
   assert np.isfinite(got).all(), "unwritten (NaN) output elements"
-  assert got.dtype == np.float32 and got.shape == (t, h)
+  assert got.shape == (t, h)
+  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
+  return got, want, (x, weights, topk_w, topk_ids)
+
+
+@pytest.mark.parametrize("case", STANDARD_CASES, ids=_case_id)
+def test_standard_vs_reference(case):
+  got, want, _ = _run_case(case)
   err = _rel(got, want)
   assert err <= TOL, f"rel. Frobenius error {err:.3e}"
 
@@ -226,17 +237,9 @@ ASYNC_RING_CASES = [
 @pytest.mark.parametrize("case", ASYNC_RING_CASES, ids=lambda c: "T{}_E{}_H{}_I{}_g{}_{}_bm{}".format(
     c[0], c[1], c[3], c[4], c[5], jnp.dtype(c[6]).name, c[11]))
 def test_other_mainloops(case, mainloop):
-  t, e, k, h, i, group, dtype, act_order, zeros, bias, kind, block_m = case
-  seed = hash(case) % 1000
-  weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
-  topk_w, topk_ids = _routing(seed, t, e, k)
-  x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
-  poison = jnp.full((t, h), jnp.nan, dtype)
-  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind,
-                                  block_m=block_m, mainloop=mainloop))
-  got = np.asarray(run(x, weights, topk_w, topk_ids, out_init=poison).astype(jnp.float32))
-  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
-  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
+  kind, block_m = case[10], case[11]
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case[:11], block_m=block_m,
+                                                        mainloop=mainloop)
   assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
   registers = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=kind,
                                          block_m=block_m, mainloop="registers")
@@ -275,25 +278,14 @@ WGMMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", WGMMA_CASES, ids=lambda c: "T{}_E{}_K{}_H{}_I{}_g{}_{}{}{}{}_a{}".format(
-    c[0], c[1], c[2], c[3], c[4], c[5], jnp.dtype(c[6]).name, "_ao" if c[7] else "",
-    "_zp" if c[8] else "", "_bias" if c[9] else "", c[10]))
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
 def test_wgmma_vs_reference(case):
-  t, e, k, h, i, group, dtype, act_order, zeros, bias, kind = case
-  seed = hash(case) % 1000
-  weights, (w13, w2, b13, b2) = _build(seed, e, h, i, group, dtype, act_order, zeros, bias)
-  topk_w, topk_ids = _routing(seed, t, e, k)
-  x = jax.random.normal(jax.random.PRNGKey(seed + 7), (t, h), jnp.float32).astype(dtype)
-  poison = jnp.full((t, h), jnp.nan, dtype)
-  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=kind, block_m=128))
-  got = np.asarray(run(x, weights, topk_w, topk_ids, out_init=poison).astype(jnp.float32))
-  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
-  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=kind, dtype=dtype)
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, block_m=128)
   err = _rel(got, want)
   assert err <= TOL, f"rel. Frobenius error {err:.3e}"
   # The mma.sync GEMM dequantizes to the same values and rounds at the same points: the two
   # differ only by f32 summation order (1-ulp flips at the bf16/fp16 rounding points).
-  small = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=kind,
+  small = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
                                      block_m=32)
   assert _rel(got, small.astype(jnp.float32)) <= 5e-3
 
