@@ -1,6 +1,12 @@
-"""Launch-shape heuristics of the GPU int4 MoE core (pure Python; run everywhere)."""
+"""Launch-shape heuristics of the GPU int4 MoE core and the scratch the ops ask XLA for (pure
+Python and lowering; run everywhere)."""
+
+import re
 
 import pytest
+
+import jax
+import jax.numpy as jnp
 
 from jax_moeq.ops import _gpu_launch as launch
 
@@ -69,3 +75,79 @@ def test_default_mainloop_follows_measurements():
   assert launch.default_mainloop("wna16", 8) == "registers"
   assert launch.default_mainloop("mxint4", 16) == "async_ring"
   assert launch.default_mainloop("mxint4", 32) == "registers"
+
+
+def _ffi_result_shapes(fn, *args):
+  """Result tensor types of the one custom call in fn's lowered module (no GPU needed)."""
+  text = jax.jit(fn).lower(*args).as_text()
+  line = next(l for l in text.splitlines() if "stablehlo.custom_call" in l)
+  return re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", line.split("->")[-1])
+
+
+def _wna16_weights(e, h, i, act_order):
+  from jax_moeq.ops import wna16_gpu
+  from jax_moeq.quant import int4
+  q13 = jnp.ones((e, 2 * i, h), jnp.int8)
+  q2 = jnp.ones((e, h, i), jnp.int8)
+  g_idx = {}
+  if act_order:
+    g_idx = dict(w13_g_idx=jnp.tile(jnp.arange(h) // 64, (e, 1)).astype(jnp.int32),
+                 w2_g_idx=jnp.tile(jnp.arange(i) // 64, (e, 1)).astype(jnp.int32))
+  return wna16_gpu.convert_to_wna16_moe_kernel_format(
+      "MARLIN", int4.pack_uint4b8_gptq(q13), int4.pack_uint4b8_gptq(q2),
+      jnp.full((e, h // 64, 2 * i), 0.01, jnp.bfloat16),
+      jnp.full((e, i // 64, h), 0.01, jnp.bfloat16), group_size=64, **g_idx)
+
+
+@pytest.mark.parametrize("act_order,block_m,x_perm_len", [
+    (False, 128, 64 * 256),       # the wgmma GEMM permutes each token's inputs once: T x H
+    (True, 128, 64 * 2 * 256),    # act-order gathers per (token, k) row: T*K x H
+    (True, 32, 64 * 2 * 256),
+    (False, 32, 1)])              # neither: no scratch
+def test_wna16_x_perm_scratch_follows_the_launch(act_order, block_m, x_perm_len):
+  """The x_perm scratch the op asks XLA for (checked again by the FFI handler)."""
+  from jax_moeq import _ffi
+  from jax_moeq.ops import wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  e, h, i, t, k = 8, 256, 128, 64, 2
+  w = _wna16_weights(e, h, i, act_order)
+  shapes = _ffi_result_shapes(
+      lambda x, ids: wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids,
+                                                block_m=block_m),
+      jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32))
+  assert shapes[4] == str(x_perm_len)  # out, sorted_ids, expert_ids, num_post_padded, x_perm
+
+
+def test_wna16_batched_x_perm_scratch_at_block_m_128():
+  from jax_moeq import _ffi
+  from jax_moeq.ops import wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  e, h, i, m = 8, 256, 128, 40
+  w = _wna16_weights(e, h, i, False)
+  shapes = _ffi_result_shapes(
+      lambda x, n: wna16_gpu.batched_fused_marlin_moe(x, n, w, block_m=128),
+      jnp.ones((e, m, h), jnp.bfloat16), jnp.full((e,), m, jnp.int32))
+  assert shapes[4] == str(e * m * h)
+
+
+@pytest.mark.parametrize("block_m,x_perm_len", [(128, 64 * 128), (32, 1)])
+def test_mxint4_x_perm_scratch_follows_the_launch(block_m, x_perm_len):
+  from jax_moeq import _ffi
+  from jax_moeq.ops import mxint4_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  e, h, i, t, k = 8, 128, 64, 64, 2
+  q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
+  q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
+  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+      q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
+      q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
+  w = [p[n] for n in mxint4_gpu.WEIGHT_KEYS]
+  shapes = _ffi_result_shapes(
+      lambda x, logits: mxint4_gpu.mxint4_moe(x, logits, *w, num_experts=e, top_k=k,
+                                              intermediate_size=i, local_num_experts=e,
+                                              block_m=block_m),
+      jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, e), jnp.float32))
+  assert shapes[10] == str(x_perm_len)  # the last result: out ... ws2, x_perm

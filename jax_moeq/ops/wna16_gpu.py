@@ -347,7 +347,14 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
                  min(blocks, _gpu_launch.expected_busy_blocks(rows, e, block_m)))
   split13 = _gpu_launch.choose_split(busy_blocks, i // 16, h // 64, block_m, rows * 2 * i * 4)
   split2 = _gpu_launch.choose_split(busy_blocks, h // 32, i // 64, block_m, 0)
-  permuted_inputs = weights.act_order or block_m == _gpu_launch.WGMMA_BLOCK_M
+  # act-order gathers each row's inputs in its expert's order (rows x H); the wgmma GEMM alone
+  # permutes each token's inputs once (T x H; rows x H when batched).
+  if weights.act_order or (batched and block_m == _gpu_launch.WGMMA_BLOCK_M):
+    x_perm_len = rows * h
+  elif block_m == _gpu_launch.WGMMA_BLOCK_M:
+    x_perm_len = x.shape[0] * h
+  else:
+    x_perm_len = 1
   dt = x.dtype
   out_shape = x.shape
   results = [
@@ -355,7 +362,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       jax.ShapeDtypeStruct((padded,), jnp.int32),
       jax.ShapeDtypeStruct((blocks,), jnp.int32),
       jax.ShapeDtypeStruct((1,), jnp.int32),
-      jax.ShapeDtypeStruct((rows * h if permuted_inputs else 1,), dt),
+      jax.ShapeDtypeStruct((x_perm_len,), dt),
       jax.ShapeDtypeStruct((max(rows, 1) * i,), dt),
       jax.ShapeDtypeStruct((rows * 2 * i if split13 > 1 else 1,), jnp.float32),
       jax.ShapeDtypeStruct((max(rows, 1) * h,), jnp.float32),
