@@ -14,7 +14,7 @@
 // so the inputs of GEMM1 are permuted into logical order once per call (PermuteRowsKernel in the
 // launchers) and GEMM1's epilogue writes its activation columns in logical order for GEMM2.
 //
-// CTA: 256 threads = two warpgroups, 1 CTA per SM. Warpgroup w owns "unit" u = 2 blockIdx.y + w:
+// CTA: 256 threads = two warpgroups, 1 CTA per SM. Warpgroup w owns "unit" u = 2 n_tile + w:
 // two 64-row tiles (four 16-row subtiles each, one per warp): sub0 = u * unit_mult + warp % 4 and
 // sub0 + sub_stride (GEMM1: gate rows and the matching up rows; GEMM2: 128 consecutive rows).
 // Per 64-deep chunk a stage of shared memory holds the B tile (128 tokens x 64 inputs, 128-byte
