@@ -24,6 +24,16 @@
 #include <cstdint>
 #include <type_traits>
 
+// sm_90 instructions (bulk copies, mbarrier transaction counts, proxy fences) exist only on
+// sm_90+: a portable build's older targets (JAX_MOEQ_CUDA_EXTRA_ARCHS) compile the helpers below
+// as traps. Kernels that use them are never launched there: the ops need compute capability 9.0
+// (wna16_gpu_available, is_mxint4_moe_available).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define JAX_MOEQ_BEFORE_SM90 1
+#else
+#define JAX_MOEQ_BEFORE_SM90 0
+#endif
+
 namespace jax_moeq::cuda {
 
 enum class NibbleCode { kUint4b8, kSignedInt4 };
@@ -122,28 +132,43 @@ __device__ __forceinline__ void CpAsyncWait() {
 // through the copy engine and an mbarrier counts the bytes in, so a warp keeps many KB in flight
 // for a handful of instructions.
 __device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 
 // The one arrival of a phase, announcing the bytes its copies will bring.
 __device__ __forceinline__ void MbarrierExpectBytes(uint64_t* bar, uint32_t bytes) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)),
                "r"(bytes)
                : "memory");
+#endif
 }
 
 // bytes: a multiple of 16; both addresses 16-byte aligned.
 __device__ __forceinline__ void BulkCopyToShared(void* smem, const void* gmem, uint32_t bytes,
                                                  uint64_t* bar) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           SharedAddress(smem)),
       "l"(gmem), "r"(bytes), "r"(SharedAddress(bar))
       : "memory");
+#endif
 }
 
 __device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
@@ -153,11 +178,16 @@ __device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(SharedAddress(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 
 // Orders this thread's earlier shared-memory accesses before its later copy-engine writes.
 __device__ __forceinline__ void FenceProxyAsync() {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
 
 // (v & 0x000f000f) | kMagic in one LOP3: written in C the compiler spends an AND and an OR, as a
