@@ -102,9 +102,19 @@ __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Streaming weights: bypass L1 (.cg).
+// Streaming data: bypass L1 (.cg). The forms on a 32-bit shared-window address serve loops that
+// keep their shared-memory offsets as integers.
+__device__ __forceinline__ void CpAsyncSharedStream(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void CpAsyncStream16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SharedAddress(smem)), "l"(gmem)
+  CpAsyncSharedStream(SharedAddress(smem), gmem);
+}
+// ... zero-filled without a read when src_bytes is 0 (padding rows).
+__device__ __forceinline__ void CpAsyncSharedOrZero(uint32_t dst, const void* src,
+                                                    uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
                : "memory");
 }
 
@@ -115,9 +125,26 @@ __device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bo
                : "memory");
 }
 
+__device__ __forceinline__ void CpAsyncShared4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SharedAddress(smem)), "l"(gmem)
+  CpAsyncShared4(SharedAddress(smem), gmem);
+}
+
+// Shared-memory loads on a 32-bit shared-window address.
+__device__ __forceinline__ uint4 LdShared128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
                : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t LdShared32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

@@ -64,9 +64,50 @@ __device__ __forceinline__ float ApplyActivation(int kind, float gate, float up)
   return gate / (1.0f + expf(-gate)) * up;  // silu(g) * u (kinds 0 and 2)
 }
 
+// An activation output as the reference rounds it: gate and up (bias included) rounded to T,
+// the activation, rounded again.
+template <typename T>
+__device__ __forceinline__ float RoundedActivation(int kind, float gate, float up) {
+  return RoundTo<T>(ApplyActivation(kind, RoundTo<T>(gate), RoundTo<T>(up)));
+}
+
 template <typename T>
 __device__ __forceinline__ void StoreHalf(void* base, int64_t index, float v) {
   reinterpret_cast<T*>(base)[index] = HalfType<T>::from_float(v);
+}
+
+// Physical input of logical position l (0..63) of a chunk, and its inverse: the order in which
+// the wgmma GEMM (moe_int4_wgmma.cuh) reads its inputs.
+__host__ __device__ constexpr int PhysicalOfLogical(int l) {
+  return 16 * ((l >> 1) & 3) + 4 * (l >> 4) + 2 * ((l >> 3) & 1) + (l & 1);
+}
+__host__ __device__ constexpr int LogicalOfPhysical(int p) {
+  return 16 * ((p >> 2) & 3) + 2 * (p >> 4) + 8 * ((p >> 1) & 1) + (p & 1);
+}
+static_assert(LogicalOfPhysical(PhysicalOfLogical(37)) == 37 &&
+                  LogicalOfPhysical(PhysicalOfLogical(10)) == 10,
+              "chunk permutation and its inverse");
+// Column of the logical-order layout that holds physical column `col` (any chunk).
+__host__ __device__ constexpr int LogicalColumn(int col) {
+  return (col & ~63) | LogicalOfPhysical(col & 63);
+}
+
+// GEMM1's activation epilogue (kActivation) for gate row n of `expert` and pair row `id`: bias,
+// the activation at the reference's rounding points, stored at act[id][column], the column being
+// act_col[e][n] under act-order, else n; in logical chunk order when the next GEMM is the wgmma
+// one (kLogicalColumns).
+template <typename T, bool kLogicalColumns>
+__device__ __forceinline__ void StoreActivation(const MoeGemmArgs& p, int expert, int n, int id,
+                                                float gate, float up) {
+  const int half_n = p.n / 2;
+  if (p.bias) {
+    gate += p.bias[static_cast<int64_t>(expert) * p.n + n];
+    up += p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
+  }
+  const float a = RoundedActivation<T>(p.activation, gate, up);
+  int col = p.act_col ? __ldg(p.act_col + static_cast<int64_t>(expert) * half_n + n) : n;
+  if constexpr (kLogicalColumns) col = LogicalColumn(col);
+  StoreHalf<T>(p.act, static_cast<int64_t>(id) * half_n + col, a);
 }
 
 constexpr int kMaxGemmThreads = 256;
@@ -369,16 +410,7 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
       const int id = __ldg(p.sorted_ids + blk * block_m + m * 8 + 2 * t + (c & 1));
       if (id >= p.num_rows) continue;
       if (p.epilogue == EpilogueKind::kActivation) {
-        const int half_n = p.n / 2;
-        const int n = sub[0] * 16 + row;
-        float gate = acc[0][m][c], up = acc[1][m][c];
-        if (p.bias) {
-          gate += p.bias[static_cast<int64_t>(expert) * p.n + n];
-          up += p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
-        }
-        const float a = RoundTo<T>(ApplyActivation(p.activation, RoundTo<T>(gate), RoundTo<T>(up)));
-        const int col = p.act_col ? __ldg(p.act_col + static_cast<int64_t>(expert) * half_n + n) : n;
-        StoreHalf<T>(p.act, static_cast<int64_t>(id) * half_n + col, a);
+        StoreActivation<T, false>(p, expert, sub[0] * 16 + row, id, acc[0][m][c], acc[1][m][c]);
       } else {
 #pragma unroll
         for (int j = 0; j < kNsub; ++j) {

@@ -10,7 +10,7 @@
 // The one cost: wgmma reads B in the logical k order of its 16-deep steps, while a lane's packed
 // weights cover the physical inputs 16t .. 16t+15 of a 64-deep chunk (see int4_mma_core.cuh).
 // Logical position L = 16 s + c of a chunk (k-step s, column c of the step) holds physical input
-//   P(L) = 16 ((c & 7) >> 1) + 4 s + 2 (c >> 3) + (c & 1),
+//   P(L) = 16 ((c & 7) >> 1) + 4 s + 2 (c >> 3) + (c & 1)   (PhysicalOfLogical, moe_int4_gemm.cuh),
 // so the inputs of GEMM1 are permuted into logical order once per call (PermuteRowsKernel in the
 // launchers) and GEMM1's epilogue writes its activation columns in logical order for GEMM2.
 //
@@ -37,49 +37,6 @@ constexpr int kWgStageWords = 2 * kWgmmaThreads * 4;      // a scale (or zero) w
 constexpr int kWgStageBytes = kWgStageTokens + kWgStageWeights + 2 * kWgStageWords;  // 28 KB
 constexpr int kWgmmaSmemBytes = kWgmmaStages * kWgStageBytes + 1024;  // + alignment slack
 static_assert(kWgStageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
-
-// Physical input of logical position l (0..63) of a chunk, and its inverse.
-__host__ __device__ constexpr int PhysicalOfLogical(int l) {
-  return 16 * ((l >> 1) & 3) + 4 * (l >> 4) + 2 * ((l >> 3) & 1) + (l & 1);
-}
-__host__ __device__ constexpr int LogicalOfPhysical(int p) {
-  return 16 * ((p >> 2) & 3) + 2 * (p >> 4) + 8 * ((p >> 1) & 1) + (p & 1);
-}
-static_assert(LogicalOfPhysical(PhysicalOfLogical(37)) == 37 &&
-                  LogicalOfPhysical(PhysicalOfLogical(10)) == 10,
-              "chunk permutation and its inverse");
-// Column of the logical-order layout that holds physical column `col` (any chunk).
-__host__ __device__ constexpr int LogicalColumn(int col) {
-  return (col & ~63) | LogicalOfPhysical(col & 63);
-}
-
-// Copies and loads on 32-bit shared-window addresses. Token tile: through L2 only (each CTA reads
-// a piece once), `src_bytes` 0 zero-fills without reading (padding rows).
-__device__ __forceinline__ void CpAsyncSharedOrZero(uint32_t dst, const void* src,
-                                                    uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncSharedStream(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void CpAsyncShared4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ uint4 LdShared128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(a)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ uint32_t LdShared32(uint32_t a) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
-  return v;
-}
 
 // x_perm[id][j] = x[id / in_div][perm[e][c(j)]], e the row's expert (act-order; without perm the
 // column is c(j)), where c(j) = j, or the physical column of logical position j when
@@ -259,17 +216,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
         const int row = g + 8 * rh;
         const int i = 4 * nb + 2 * rh + e;
         if (p.epilogue == EpilogueKind::kActivation) {
-          const int half_n = p.n / 2;
-          const int n = sub[0] * 16 + row;
-          float gate = acc[0][i], up = acc[1][i];
-          if (p.bias) {
-            gate += p.bias[static_cast<int64_t>(expert) * p.n + n];
-            up += p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
-          }
-          const float v = RoundTo<T>(ApplyActivation(p.activation, RoundTo<T>(gate), RoundTo<T>(up)));
-          const int col =
-              p.act_col ? __ldg(p.act_col + static_cast<int64_t>(expert) * half_n + n) : n;
-          StoreHalf<T>(p.act, static_cast<int64_t>(id) * half_n + LogicalColumn(col), v);
+          StoreActivation<T, true>(p, expert, sub[0] * 16 + row, id, acc[0][i], acc[1][i]);
         } else {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {

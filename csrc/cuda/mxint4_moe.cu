@@ -23,7 +23,7 @@ __global__ void MxInt4Finalize13Kernel(const float* ws, const int32_t* local_ids
   if (id >= rows || n >= inter || local_ids[id] < 0) return;
   const float gate = ws[static_cast<int64_t>(id) * 2 * inter + n];
   const float up = ws[static_cast<int64_t>(id) * 2 * inter + inter + n];
-  const float a = RoundTo<Bf16>(ApplyActivation(0, RoundTo<Bf16>(gate), RoundTo<Bf16>(up)));
+  const float a = RoundedActivation<Bf16>(0, gate, up);
   StoreHalf<Bf16>(act, static_cast<int64_t>(id) * inter + n, a);
 }
 

@@ -30,7 +30,7 @@ __global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
     gate += bias[static_cast<int64_t>(e) * 2 * inter + n];
     up += bias[static_cast<int64_t>(e) * 2 * inter + inter + n];
   }
-  const float a = RoundTo<T>(ApplyActivation(activation, RoundTo<T>(gate), RoundTo<T>(up)));
+  const float a = RoundedActivation<T>(activation, gate, up);
   const int col = act_col ? act_col[static_cast<int64_t>(e) * inter + n] : n;
   StoreHalf<T>(act, static_cast<int64_t>(id) * inter + col, a);
 }
