@@ -154,11 +154,8 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   if (act->element_count() < rows * I || act->element_type() != x.element_type()) {
     return Invalid("act scratch must hold rows * I elements of x's dtype");
   }
-  // act-order gathers every row's inputs in its expert's order (rows x H); the wgmma GEMM
-  // (block_m 128) alone permutes each token's inputs once (T x H, or rows x H when batched).
-  const int64_t perm_rows = (act_order || batched) ? rows : p.tokens;
-  if ((act_order || block_m == 128) &&
-      static_cast<int64_t>(x_perm->element_count()) < perm_rows * H) {
+  const int64_t perm_rows = cuda::Wna16MoePermutedRows(p);
+  if (static_cast<int64_t>(x_perm->element_count()) < perm_rows * H) {
     return Invalid("x_perm scratch must hold " + std::to_string(perm_rows * H) +
                    " elements (act-order or block_m 128)");
   }

@@ -22,6 +22,8 @@
 // with cp.async kWgmmaAhead chunks ahead, one __syncthreads per chunk.
 #pragma once
 
+#include <string>
+
 #include "cuda/moe_int4_gemm.cuh"
 #include "cuda/wgmma_ops.cuh"
 
@@ -263,6 +265,32 @@ void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStrea
     LaunchWgmmaKernel<T, kCode, false>(args, dim3(n_tiles, max_blocks), stream);
   } else {
     LaunchWgmmaKernel<T, kCode, true>(args, dim3(max_blocks, n_tiles), stream);
+  }
+}
+
+// The launch attributes both ops accept: block_m 8..64 (mma.sync) or 128 (wgmma, no split-K),
+// split factors >= 1, a GemmMainloop code. Empty string when fine.
+inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, int mainloop) {
+  if (block_m != 8 && block_m != 16 && block_m != 32 && block_m != 64 && block_m != kWgmmaBlockM) {
+    return "block_m must be 8, 16, 32, 64 or 128";
+  }
+  if (block_m == kWgmmaBlockM && (split13 != 1 || split2 != 1)) {
+    return "block_m 128 (the wgmma GEMM) does not split K: split factors must be 1";
+  }
+  if (split13 < 1 || split2 < 1) return "split factors must be >= 1";
+  if (mainloop < 0 || mainloop > 2) {
+    return "mainloop must be 0 (registers), 1 (async ring) or 2 (bulk copy)";
+  }
+  return "";
+}
+
+// The one GEMM launch of both ops: the wgmma GEMM at block_m 128, else the mma.sync GEMM.
+template <typename T, NibbleCode kCode>
+void LaunchMoeInt4GemmOrWgmma(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  if (args.block_m == kWgmmaBlockM) {
+    LaunchMoeInt4Wgmma<T, kCode>(args, max_blocks, stream);
+  } else {
+    LaunchMoeInt4Gemm<T, kCode>(args, max_blocks, stream);
   }
 }
 

@@ -113,16 +113,9 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
       return "top_k exceeds the experts of the kept groups";
     }
   }
-  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64 &&
-      p.block_m != kWgmmaBlockM) {
-    return "block_m must be 8, 16, 32, 64 or 128";
-  }
-  if (p.block_m == kWgmmaBlockM && (p.split13 != 1 || p.split2 != 1)) {
-    return "block_m 128 (the wgmma GEMM) does not split K: split factors must be 1";
-  }
-  if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
-  if (p.mainloop < 0 || p.mainloop > 2) {
-    return "mainloop must be 0 (registers), 1 (async ring) or 2 (bulk copy)";
+  if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop);
+      !err.empty()) {
+    return err;
   }
   if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
     return "problem too large for 32-bit row indexing";
@@ -166,13 +159,6 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
     err = CudaError("input permute kernel");
     if (!err.empty()) return err;
   }
-  auto launch_gemm = [&](const MoeGemmArgs& args) {
-    if (wgmma) {
-      LaunchMoeInt4Wgmma<Bf16, NibbleCode::kSignedInt4>(args, max_blocks, stream);
-    } else {
-      LaunchMoeInt4Gemm<Bf16, NibbleCode::kSignedInt4>(args, max_blocks, stream);
-    }
-  };
   MoeGemmArgs g1;
   g1.x = wgmma ? p.x_perm : p.x;
   g1.ld_x = H;
@@ -204,7 +190,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  launch_gemm(g1);
+  LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g1, max_blocks, stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -231,7 +217,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;  // zeroed by the alignment launch when split
-  launch_gemm(g2);
+  LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, max_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 

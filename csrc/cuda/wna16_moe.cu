@@ -115,7 +115,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   int in_div = p.batched ? 1 : static_cast<int>(p.top_k);
   const bool wgmma = p.block_m == kWgmmaBlockM;
   if (p.act_order || wgmma) {
-    const int perm_rows = p.act_order ? static_cast<int>(rows) : static_cast<int>(rows) / in_div;
+    const int perm_rows = static_cast<int>(Wna16MoePermutedRows(p));
     PermuteRowsKernel<T><<<perm_rows, 256, 0, stream>>>(
         static_cast<const T*>(p.x), p.act_order ? in_div : 1, row_expert_src, row_expert_div,
         p.act_order ? p.perm13 : nullptr, wgmma, H, perm_rows, E, static_cast<T*>(p.x_perm));
@@ -124,13 +124,6 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     x13 = p.x_perm;
     if (p.act_order) in_div = 1;
   }
-  auto launch_gemm = [&](const MoeGemmArgs& args) {
-    if (wgmma) {
-      LaunchMoeInt4Wgmma<T, NibbleCode::kUint4b8>(args, static_cast<int>(max_blocks), stream);
-    } else {
-      LaunchMoeInt4Gemm<T, NibbleCode::kUint4b8>(args, static_cast<int>(max_blocks), stream);
-    }
-  };
 
   // 3. GEMM1 (+ activation).
   MoeGemmArgs g1;
@@ -164,7 +157,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  launch_gemm(g1);
+  LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g1, static_cast<int>(max_blocks), stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -197,7 +190,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.ws = p.ws2;
   g2.bias = nullptr;
   g2.act_col = nullptr;
-  launch_gemm(g2);
+  LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, static_cast<int>(max_blocks), stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 
@@ -232,13 +225,15 @@ int64_t Wna16MoeMaxPadded(const Wna16MoeProblem& p) {
 
 int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p) { return Wna16MoeMaxPadded(p) / p.block_m; }
 
+int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p) {
+  if (p.act_order || (p.batched && p.block_m == kWgmmaBlockM)) return Wna16MoeRows(p);
+  return p.block_m == kWgmmaBlockM ? p.tokens : 0;
+}
+
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
-  if (p.block_m != 8 && p.block_m != 16 && p.block_m != 32 && p.block_m != 64 &&
-      p.block_m != kWgmmaBlockM) {
-    return "block_m must be 8, 16, 32, 64 or 128";
-  }
-  if (p.block_m == kWgmmaBlockM && (p.split13 != 1 || p.split2 != 1)) {
-    return "block_m 128 (the wgmma GEMM) does not split K: split factors must be 1";
+  if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop);
+      !err.empty()) {
+    return err;
   }
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
@@ -251,10 +246,6 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
   if (p.groups2 <= 0 || p.intermediate % p.groups2 != 0 ||
       (p.intermediate / p.groups2) % 16 != 0) {
     return "w2 scale groups must divide the intermediate size into groups of a multiple of 16";
-  }
-  if (p.split13 < 1 || p.split2 < 1) return "split factors must be >= 1";
-  if (p.mainloop < 0 || p.mainloop > 2) {
-    return "mainloop must be 0 (registers), 1 (async ring) or 2 (bulk copy)";
   }
   if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
   if (p.top_k < 1) return "top_k must be >= 1";

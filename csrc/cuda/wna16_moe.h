@@ -61,6 +61,10 @@ struct Wna16MoeProblem {
 int64_t Wna16MoeRows(const Wna16MoeProblem& p);
 int64_t Wna16MoeMaxPadded(const Wna16MoeProblem& p);
 int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p);
+// Rows of x_perm the op writes: act-order gathers every row's inputs in its expert's order
+// (rows); the wgmma GEMM (block_m 128) alone permutes each token's inputs once (T, or rows when
+// batched); otherwise none.
+int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p);
 
 // Shape rules the kernels need; empty string when fine.
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p);
