@@ -187,7 +187,7 @@ def main():
     ours = jax.jit(wna16_gpu.fused_marlin_moe)
     ours_multi = jax.jit(lambda x, wt, ids, w: [wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j])
                                                 for j in range(ROUTING_SETS)])
-    # Another main loop, timed beside the default.
+    # Another launch (--alt-block-m or --alt-mainloop), timed beside the default.
     alt_multi = jax.jit(lambda x, wt, ids, w: [
         wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j], **alt_kw)
         for j in range(ROUTING_SETS)])

@@ -97,6 +97,8 @@ def main():
     tokens = tuple(int(v) for v in args.tokens.split(","))
   if args.no_peers:
     have_torch = False
+  alt_kw = dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring")
+  alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else "mainloop='async_ring'"
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]
@@ -109,9 +111,7 @@ def main():
     ours = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(
         x, l, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
         routing_method=RoutingMethodType.Renormalize))
-    alt_kw = (dict(block_m=args.alt_block_m) if args.alt_block_m else
-              dict(mainloop="async_ring"))
-    ring = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(  # the alternative launch
+    alt = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(  # the alternative launch
         x, l, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
         routing_method=RoutingMethodType.Renormalize, **alt_kw))
 
@@ -127,7 +127,7 @@ def main():
       experts_hit = statistics.mean(len(np.unique(ids)) for _, ids, _ in sets)
       t_ours = peers.time_calls(lambda l: ours(x, l, *weights), dlogits)
       t_gpu = scanned_time(ours, x, dlogits, weights)
-      t_ring = peers.time_calls(lambda l: ring(x, l, *weights), dlogits)
+      t_alt = peers.time_calls(lambda l: alt(x, l, *weights), dlogits)
       t_ragged = None if args.no_peers else peers.time_calls(
           lambda l: ragged(x, l, w13_bf, w2_bf), dlogits, min_time=0.1, reps=3)
       t_torch = None
@@ -139,7 +139,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, gpu_us=t_gpu * 1e6,
-                 ring_us=t_ring * 1e6,
+                 alt=alt_name, alt_us=t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12,
@@ -156,15 +156,13 @@ def main():
   print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print("us: per call, back-to-back jitted calls (as the peers); gpu us: per call inside one "
-        "jitted lax.scan (no host dispatch); alt us: as us, " +
-        (f"block_m={args.alt_block_m}" if args.alt_block_m else "mainloop='async_ring'") + "; TB/s, %HBM, "
-        "TFLOP/s from us")
+        f"jitted lax.scan (no host dispatch); alt us: as us, {alt_name}; TB/s, %HBM, TFLOP/s from us")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'gpu us':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   for r in rows:
     print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['gpu_us']:8.1f} "
-          f"{r['ring_us']:8.1f} {r['tbps']:6.2f} "
+          f"{r['alt_us']:8.1f} {r['tbps']:6.2f} "
           f"{100 * r['hbm_frac']:5.0f} {r['tflops']:8.1f} {fmt(r['ragged_us'], '.1f'):>10} "
           f"{fmt(r['x_ragged'], '.1f'):>8} {fmt(r['torch_us'], '.1f'):>9} "
           f"{fmt(r['x_torch'], '.2f'):>7}")
