@@ -93,6 +93,14 @@ def _run(prepared, x, logits, *, e, k, i, local=None, ep_rank=0, out_init=None, 
   return fn(x, logits, *args, o=out_init)
 
 
+def _run_poisoned(prepared, x, logits, what="", **kw):
+  """_run into a NaN-poisoned output; fails if any output element was left unwritten."""
+  poison = jnp.full(x.shape, jnp.nan, jnp.bfloat16)
+  out, ids, w = _run(prepared, x, logits, out_init=poison, **kw)
+  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), f"{what}unwritten (NaN) outputs"
+  return out, ids, w
+
+
 def _reference(canon, x, logits, *, e, k, local=None, ep_rank=0, routing_method, **kw):
   local = e if local is None else local
   sl = slice(ep_rank * local, (ep_rank + 1) * local)
@@ -108,10 +116,7 @@ def test_matches_reference_over_tokens(t):
   e, k, h, i = 32, 4, 512, 256
   prepared, canon = _experts(t, e, h, i, packing="int32" if t % 2 else "uint8")
   x, logits, _ = _inputs(t, t, e, h)
-  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
-  out, ids, w = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
-                     out_init=poison)
-  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), "unwritten (NaN) outputs"
+  out, ids, w = _run_poisoned(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize)
   ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.Renormalize)
   assert _rel(out, ref) <= TOL
   ref_w, ref_ids = routing.route(logits, k, RM.Renormalize)
@@ -159,10 +164,8 @@ def test_expert_parallel_ranks_sum_to_full(ranks):
   local = e // ranks
   total = jnp.zeros((t, h), jnp.float32)
   for r in range(ranks):
-    poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
-    part, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, local=local, ep_rank=r,
-                      routing_method=RM.DeepSeekV3, out_init=poison, **kw)
-    assert bool(jnp.isfinite(part.astype(jnp.float32)).all()), f"rank {r}: unwritten outputs"
+    part, _, _ = _run_poisoned(prepared, x, logits, f"rank {r}: ", e=e, k=k, i=i, local=local,
+                               ep_rank=r, routing_method=RM.DeepSeekV3, **kw)
     ref = _reference(canon, x, logits, e=e, k=k, local=local, ep_rank=r,
                      routing_method=RM.DeepSeekV3, **kw)
     assert _rel(part, ref) <= TOL
@@ -179,9 +182,8 @@ def test_expert_parallel_ranks_sum_to_full(ranks):
 def test_model_shapes(name, e, k, h, i, method, t):
   prepared, canon = _experts(t + e, e, h, i)
   x, logits, _ = _inputs(t, t, e, h)
-  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
-  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=method, out_init=poison)
-  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), f"{name}: unwritten outputs"
+  out, _, _ = _run_poisoned(prepared, x, logits, f"{name}: ", e=e, k=k, i=i,
+                            routing_method=method)
   ref = _reference(canon, x, logits, e=e, k=k, routing_method=method)
   assert _rel(out, ref) <= TOL
 
@@ -194,10 +196,8 @@ def test_block_sizes(block_m, mainloop):
   e, k, h, i, t = 16, 2, 256, 192, 100
   prepared, canon = _experts(block_m, e, h, i)
   x, logits, _ = _inputs(block_m, t, e, h)
-  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
-  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.TopK, block_m=block_m,
-                   mainloop=mainloop, out_init=poison)
-  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), "unwritten outputs"
+  out, _, _ = _run_poisoned(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.TopK,
+                            block_m=block_m, mainloop=mainloop)
   ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.TopK)
   assert _rel(out, ref) <= TOL
 
@@ -211,10 +211,8 @@ def test_wgmma_prefill(name, e, k, h, i, t):
   I/64 odd with H % 128 == 64 (idle warpgroup, second tile past N); also vs block_m 32."""
   prepared, canon = _experts(t + 3, e, h, i)
   x, logits, _ = _inputs(t + 3, t, e, h)
-  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
-  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
-                   block_m=128, out_init=poison)
-  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), f"{name}: unwritten outputs"
+  out, _, _ = _run_poisoned(prepared, x, logits, f"{name}: ", e=e, k=k, i=i,
+                            routing_method=RM.Renormalize, block_m=128)
   ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.Renormalize)
   assert _rel(out, ref) <= TOL
   small, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
@@ -228,10 +226,8 @@ def test_async_ring_on_decode_shapes(t):
   e, k, h, i = 128, 8, 2048, 768
   prepared, canon = _experts(t + 5, e, h, i)
   x, logits, _ = _inputs(t + 5, t, e, h)
-  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
-  out, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
-                   mainloop="async_ring", out_init=poison)
-  assert bool(jnp.isfinite(out.astype(jnp.float32)).all()), "unwritten outputs"
+  out, _, _ = _run_poisoned(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
+                            mainloop="async_ring")
   ref = _reference(canon, x, logits, e=e, k=k, routing_method=RM.Renormalize)
   assert _rel(out, ref) <= TOL
 
