@@ -3,7 +3,9 @@
 # prefill for both GEMM main loops, the WNA16 + MxInt4 GPU tests, and a quick benchmark; for the
 # wgmma prefill GEMM (block_m 128): its tests, an ncu look at its two launches (pipe use, stall
 # counters, memory throughput) and a timing of the default launch beside block_m 128.
-#   STAGES="build ncu test bench prefill_test prefill_ncu prefill_bench" (default: build ncu);
+#   STAGES="build ncu test bench prefill_test prefill_ncu prefill_bench launch_ab" (default: build
+#   ncu); launch_ab times decode under each LAUNCH_CONFIGS entry (env settings of the dependent
+#   launch and GEMM2's L2 prefetch, csrc/cuda/dependent_launch.cuh), one process each;
 #   each stage is time-boxed; logs in $OUT.
 #   NCU_CASES="Mixtral-8x7B:1 Mixtral-8x7B:4096 Qwen3-30B-A3B:1" (shape:T pairs)
 #   PREFILL_NCU_CASE="Mixtral-8x7B 1024"; PREFILL_TEST_K="wgmma"; BENCH_SHAPES, BENCH_TOKENS
@@ -73,4 +75,19 @@ if has prefill_bench; then
     --shapes "${BENCH_SHAPES:-Mixtral-8x7B,Qwen3-30B-A3B}" --tokens "${BENCH_TOKENS:-64,256,4096}" \
     --alt-block-m 128 --json "$OUT/prefill_bench.json" >"$OUT/prefill_bench.log" 2>&1
   echo "== prefill bench (rc=$?)"; tail -8 "$OUT/prefill_bench.log"
+fi
+
+if has launch_ab; then
+  for cfg in ${LAUNCH_CONFIGS:-"JAX_MOEQ_DEPENDENT_LAUNCH=0,JAX_MOEQ_GEMM2_PREFETCH_CHUNKS=0" \
+      "JAX_MOEQ_GEMM2_PREFETCH_CHUNKS=0" "JAX_MOEQ_GEMM2_PREFETCH_CHUNKS=8"}; do
+    echo "== launch_ab: $cfg"
+    env ${cfg//,/ } timeout 150 python3 benchmarks/gpu_moe_bench.py --no-torch \
+      --shapes "${AB_SHAPES:-Mixtral-8x7B,Qwen3-30B-A3B}" --tokens "${AB_TOKENS:-1,16}" \
+      >"$OUT/ab_wna16_${cfg//[=,]/_}.log" 2>&1
+    grep -E "^(Mixtral|Qwen3|DeepSeek)" "$OUT/ab_wna16_${cfg//[=,]/_}.log" | cut -c1-80
+    env ${cfg//,/ } timeout 150 python3 benchmarks/mxint4_bench.py --no-peers \
+      --shapes "${AB_SHAPES:-Mixtral-8x7B,Qwen3-30B-A3B}" --tokens "${AB_TOKENS:-1,16}" \
+      >"$OUT/ab_mxint4_${cfg//[=,]/_}.log" 2>&1
+    grep -E "^(Mixtral|Qwen3|DeepSeek)" "$OUT/ab_mxint4_${cfg//[=,]/_}.log" | cut -c1-80
+  done
 fi

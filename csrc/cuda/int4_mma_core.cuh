@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/dependent_launch.cuh"
+
 // sm_90 instructions (bulk copies, mbarrier transaction counts, proxy fences) exist only on
 // sm_90+: a portable build's older targets (JAX_MOEQ_CUDA_EXTRA_ARCHS) compile the helpers below
 // as traps. Kernels that use them are never launched there: the ops need compute capability 9.0

@@ -47,6 +47,8 @@ template <typename T>
 static __global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* row_expert_src,
                                   int row_expert_div, const int32_t* perm, bool logical_chunks,
                                   int hidden, int rows, int experts, T* x_perm) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   const int id = blockIdx.x;
   if (id >= rows) return;
   const int32_t* pe = nullptr;
@@ -70,6 +72,8 @@ static __global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* 
 // block run together and read its rows once (Mixtral T=4096: ~2 GB of re-reads otherwise).
 template <typename T, NibbleCode kCode, bool kExpertBlockFastest>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmArgs p) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   const int blk = kExpertBlockFastest ? blockIdx.x : blockIdx.y;
   const int n_tile = kExpertBlockFastest ? blockIdx.y : blockIdx.x;
   // Whole-CTA exits only (every thread takes part in the barriers below).
@@ -239,8 +243,8 @@ void LaunchWgmmaKernel(const MoeGemmArgs& args, dim3 grid, cudaStream_t stream) 
                                 kWgmmaSmemBytes) == cudaSuccess;
   }();
   (void)opted_in;
-  MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest>
-      <<<grid, kWgmmaThreads, kWgmmaSmemBytes, stream>>>(args);
+  LaunchAfterPrior(MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest>, grid, dim3(kWgmmaThreads),
+                   kWgmmaSmemBytes, stream, args);
 }
 
 // Host: one launch for block_m 128. `args` carries the per-warp unit geometry of the mma.sync

@@ -18,6 +18,8 @@ constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during 
 // GEMM1 finalize after split-K: act[id][n] = round(silu(round(g)) * round(u)).
 __global__ void MxInt4Finalize13Kernel(const float* ws, const int32_t* local_ids, int inter,
                                        int rows, void* act) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   const int id = blockIdx.x;
   const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (id >= rows || n >= inter || local_ids[id] < 0) return;
@@ -32,6 +34,8 @@ __global__ void MxInt4Finalize13Kernel(const float* ws, const int32_t* local_ids
 __global__ void MxInt4FinalizeKernel(const float* ws, const int32_t* local_ids,
                                      const float* topk_weights, int top_k, int hidden, int tokens,
                                      void* out) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   const int t = blockIdx.x;
   const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (t >= tokens || n >= hidden) return;
@@ -142,9 +146,10 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
   const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
   const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
-  AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * L * sizeof(int32_t), stream>>>(
-      p.local_ids, rows, L, p.block_m, max_padded, max_blocks, p.sorted_ids, p.expert_ids,
-      p.num_post_padded, p.ws13, zero13, p.ws2, zero2);
+  LaunchAfterPrior(AlignStandardKernel, dim3(1 + zero_blocks), dim3(1024),
+                   2 * L * sizeof(int32_t), stream, p.local_ids, rows, L, p.block_m, max_padded,
+                   max_blocks, p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13, zero13,
+                   p.ws2, zero2);
   err = CudaError("alignment kernel");
   if (!err.empty()) return err;
 
@@ -153,9 +158,9 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   const bool wgmma = p.block_m == kWgmmaBlockM;
   if (wgmma) {
     const int tokens = static_cast<int>(p.tokens);
-    PermuteRowsKernel<Bf16><<<tokens, 256, 0, stream>>>(static_cast<const Bf16*>(p.x), 1, nullptr,
-                                                        1, nullptr, true, H, tokens, L,
-                                                        static_cast<Bf16*>(p.x_perm));
+    LaunchAfterPrior(PermuteRowsKernel<Bf16>, dim3(tokens), dim3(256), 0, stream,
+                     static_cast<const Bf16*>(p.x), 1, nullptr, 1, nullptr, true, H, tokens, L,
+                     static_cast<Bf16*>(p.x_perm));
     err = CudaError("input permute kernel");
     if (!err.empty()) return err;
   }
@@ -195,7 +200,8 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   if (!err.empty()) return err;
   if (p.split13 > 1) {
     const dim3 grid(rows, (I + 255) / 256);
-    MxInt4Finalize13Kernel<<<grid, 256, 0, stream>>>(p.ws13, p.local_ids, I, rows, p.act);
+    LaunchAfterPrior(MxInt4Finalize13Kernel, grid, dim3(256), 0, stream, p.ws13, p.local_ids, I,
+                     rows, p.act);
     err = CudaError("GEMM1 finalize kernel");
     if (!err.empty()) return err;
   }
@@ -217,15 +223,16 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;  // zeroed by the alignment launch when split
+  g2.prefetch_chunks = Gemm2PrefetchChunks();  // its blocks were aligned >= 2 launches back
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, max_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 
   // 5. Top-k weights and reduction over k.
   const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);
-  MxInt4FinalizeKernel<<<grid, 256, 0, stream>>>(p.ws2, p.local_ids, p.topk_weights,
-                                                 static_cast<int>(p.top_k), H,
-                                                 static_cast<int>(p.tokens), p.out);
+  LaunchAfterPrior(MxInt4FinalizeKernel, grid, dim3(256), 0, stream, p.ws2, p.local_ids,
+                   p.topk_weights, static_cast<int>(p.top_k), H, static_cast<int>(p.tokens),
+                   p.out);
   return CudaError("finalize kernel");
 }
 

@@ -11,6 +11,7 @@
 #include <cfloat>
 #include <climits>
 
+#include "cuda/dependent_launch.cuh"
 #include "cuda/mxint4_moe.h"
 
 namespace jax_moeq::cuda {
@@ -80,6 +81,8 @@ struct RoutingArgs {
 };
 
 __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(RoutingArgs a) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   extern __shared__ float shared[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kWarpsPerCta + warp;

@@ -18,6 +18,8 @@ __global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
                                  int row_expert_div, const int32_t* expert_num_tokens,
                                  int max_tokens, const float* bias, const int32_t* act_col,
                                  int inter, int rows, int experts, int activation, void* act) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   const int id = blockIdx.y;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (id >= rows || n >= inter) return;
@@ -41,6 +43,8 @@ template <typename T>
 __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
                                        const float* topk_weights, const float* bias, int top_k,
                                        int hidden, int tokens, int experts, void* out) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   const int t = blockIdx.y;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= tokens || n >= hidden) return;
@@ -60,6 +64,8 @@ __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
 template <typename T>
 __global__ void FinalizeBatchedKernel(const float* ws, const int32_t* expert_num_tokens,
                                       const float* bias, int max_tokens, int hidden, void* out) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
   const int id = blockIdx.y;  // e * M + m
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= hidden) return;
@@ -116,9 +122,10 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const bool wgmma = p.block_m == kWgmmaBlockM;
   if (p.act_order || wgmma) {
     const int perm_rows = static_cast<int>(Wna16MoePermutedRows(p));
-    PermuteRowsKernel<T><<<perm_rows, 256, 0, stream>>>(
-        static_cast<const T*>(p.x), p.act_order ? in_div : 1, row_expert_src, row_expert_div,
-        p.act_order ? p.perm13 : nullptr, wgmma, H, perm_rows, E, static_cast<T*>(p.x_perm));
+    LaunchAfterPrior(PermuteRowsKernel<T>, dim3(perm_rows), dim3(256), 0, stream,
+                     static_cast<const T*>(p.x), p.act_order ? in_div : 1, row_expert_src,
+                     row_expert_div, p.act_order ? p.perm13 : nullptr, wgmma, H, perm_rows, E,
+                     static_cast<T*>(p.x_perm));
     err = CudaError("input permute kernel");
     if (!err.empty()) return err;
     x13 = p.x_perm;
@@ -162,10 +169,10 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   if (!err.empty()) return err;
   if (p.split13 > 1) {
     const dim3 grid((I + 255) / 256, static_cast<int>(rows));
-    Finalize13Kernel<T><<<grid, 256, 0, stream>>>(
-        p.ws13, row_expert_src, row_expert_div, p.batched ? p.expert_num_tokens : nullptr,
-        static_cast<int>(p.tokens), g1.bias, g1.act_col, I, static_cast<int>(rows), E,
-        p.activation, p.act);
+    LaunchAfterPrior(Finalize13Kernel<T>, grid, dim3(256), 0, stream, p.ws13, row_expert_src,
+                     row_expert_div, p.batched ? p.expert_num_tokens : nullptr,
+                     static_cast<int>(p.tokens), g1.bias, g1.act_col, I, static_cast<int>(rows),
+                     E, p.activation, p.act);
     err = CudaError("GEMM1 finalize kernel");
     if (!err.empty()) return err;
   }
@@ -188,6 +195,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;
+  g2.prefetch_chunks = Gemm2PrefetchChunks();  // its blocks were aligned >= 2 launches back
   g2.bias = nullptr;
   g2.act_col = nullptr;
   LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, static_cast<int>(max_blocks), stream);
@@ -198,13 +206,13 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const float* b2 = p.has_bias ? p.b2 : nullptr;
   if (p.batched) {
     const dim3 grid((H + 255) / 256, static_cast<int>(rows));
-    FinalizeBatchedKernel<T><<<grid, 256, 0, stream>>>(p.ws2, p.expert_num_tokens, b2,
-                                                        static_cast<int>(p.tokens), H, p.out);
+    LaunchAfterPrior(FinalizeBatchedKernel<T>, grid, dim3(256), 0, stream, p.ws2,
+                     p.expert_num_tokens, b2, static_cast<int>(p.tokens), H, p.out);
   } else {
     const dim3 grid((H + 255) / 256, static_cast<int>(p.tokens));
-    FinalizeStandardKernel<T><<<grid, 256, 0, stream>>>(
-        p.ws2, p.topk_ids, p.topk_weights, b2, static_cast<int>(p.top_k), H,
-        static_cast<int>(p.tokens), E, p.out);
+    LaunchAfterPrior(FinalizeStandardKernel<T>, grid, dim3(256), 0, stream, p.ws2, p.topk_ids,
+                     p.topk_weights, b2, static_cast<int>(p.top_k), H,
+                     static_cast<int>(p.tokens), E, p.out);
   }
   return CudaError("finalize kernel");
 }
