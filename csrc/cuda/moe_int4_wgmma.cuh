@@ -33,6 +33,12 @@ constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaThreads = 256;
 constexpr int kWgmmaStages = 5;
 constexpr int kWgmmaAhead = kWgmmaStages - 2;  // the stage refilled was read two chunks ago
+// MMA groups (one per k-step) a warpgroup leaves running; each k-step owns its A registers.
+#ifndef JAX_MOEQ_WGMMA_IN_FLIGHT
+#define JAX_MOEQ_WGMMA_IN_FLIGHT 3
+#endif
+constexpr int kWgmmaInFlight = JAX_MOEQ_WGMMA_IN_FLIGHT;
+static_assert(kWgmmaInFlight >= 1 && kWgmmaInFlight <= 3, "4 k-steps of A registers per chunk");
 constexpr int kWgStageTokens = kWgmmaBlockM * 128;        // 128 rows x 64 inputs x 2 bytes
 constexpr int kWgStageWeights = (kWgmmaThreads / 32) * 2 * 512;
 constexpr int kWgStageWords = 2 * kWgmmaThreads * 4;      // a scale (or zero) word per tile, lane
@@ -161,7 +167,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   for (int j = 0; j < 2; ++j)
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[j][i] = 0.0f;
-  uint32_t a[2][2][4];  // [k-step parity][tile][register]
+  uint32_t a[4][2][4];  // [k-step][tile][register]
 
   for (int c = 0; c < chunks; ++c) {
     CpAsyncWait<kWgmmaAhead - 1>();  // this thread's pieces of chunk c have landed
@@ -189,20 +195,23 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
       z_hi[j] = BroadcastHalf(zm, true);
     }
     const uint64_t desc = SmemDescSwizzle128(st);
-    // k-step s: dequantize into a[s & 1] (step s - 2, its last reader, is done: see the wait),
-    // issue both tiles' MMAs, then let step s - 1 finish so its registers can be refilled.
+    // k-step s: dequantize into a[s] (step s of the previous chunk, its last reader, is done:
+    // see the wait), issue both tiles' MMAs, and go on while up to kWgmmaInFlight groups run, so
+    // the chunk boundary (barrier, next loads) overlaps queued MMAs instead of draining them.
+    // At most kWgmmaInFlight <= 3 groups of chunk c - 1 are still running at chunk c's barrier,
+    // so chunk c - 2's stage is free to refill.
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        DequantWord<T, kCode>(words[j][s], s_lo[j], s_hi[j], z_lo[j], z_hi[j], a[s & 1][j]);
+        DequantWord<T, kCode>(words[j][s], s_lo[j], s_hi[j], z_lo[j], z_hi[j], a[s][j]);
       }
       WgmmaFence();
       const uint64_t desc_s = desc + 2 * s;  // + 32 bytes (16 inputs) per k-step
-      WgmmaM64N128K16<T>(acc[0], a[s & 1][0], desc_s);
-      WgmmaM64N128K16<T>(acc[1], a[s & 1][1], desc_s);
+      WgmmaM64N128K16<T>(acc[0], a[s][0], desc_s);
+      WgmmaM64N128K16<T>(acc[1], a[s][1], desc_s);
       WgmmaCommit();
-      WgmmaWait<1>();
+      WgmmaWait<kWgmmaInFlight>();
     }
   }
   WgmmaWait<0>();
