@@ -4,8 +4,8 @@
 # wgmma prefill GEMM (block_m 128): its tests, an ncu look at its two launches (pipe use, stall
 # counters, memory throughput) and a timing of the default launch beside block_m 128.
 #   STAGES="build ncu test bench prefill_test prefill_ncu prefill_bench launch_ab" (default: build
-#   ncu); launch_ab times decode under each LAUNCH_CONFIGS entry (env settings of the dependent
-#   launch and GEMM2's L2 prefetch, csrc/cuda/dependent_launch.cuh), one process each;
+#   ncu); launch_ab times decode under each LAUNCH_CONFIGS entry (comma-separated env settings,
+#   e.g. of the dependent launch, csrc/cuda/dependent_launch.cuh), one process each;
 #   each stage is time-boxed; logs in $OUT.
 #   NCU_CASES="Mixtral-8x7B:1 Mixtral-8x7B:4096 Qwen3-30B-A3B:1" (shape:T pairs)
 #   PREFILL_NCU_CASE="Mixtral-8x7B 1024"; PREFILL_TEST_K="wgmma"; BENCH_SHAPES, BENCH_TOKENS
@@ -78,8 +78,7 @@ if has prefill_bench; then
 fi
 
 if has launch_ab; then
-  for cfg in ${LAUNCH_CONFIGS:-"JAX_MOEQ_DEPENDENT_LAUNCH=0,JAX_MOEQ_GEMM2_PREFETCH_CHUNKS=0" \
-      "JAX_MOEQ_GEMM2_PREFETCH_CHUNKS=0" "JAX_MOEQ_GEMM2_PREFETCH_CHUNKS=8"}; do
+  for cfg in ${LAUNCH_CONFIGS:-"JAX_MOEQ_DEPENDENT_LAUNCH=0" "JAX_MOEQ_DEPENDENT_LAUNCH=1"}; do
     echo "== launch_ab: $cfg"
     env ${cfg//,/ } timeout 150 python3 benchmarks/gpu_moe_bench.py --no-torch \
       --shapes "${AB_SHAPES:-Mixtral-8x7B,Qwen3-30B-A3B}" --tokens "${AB_TOKENS:-1,16}" \

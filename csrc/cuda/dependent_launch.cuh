@@ -7,8 +7,9 @@
 //
 // The rule for a kernel launched this way: call WaitForPriorGrids before reading anything an
 // earlier kernel of the op wrote and before writing anything an earlier kernel reads. Work
-// before it may touch only the op's constant inputs (weights, scales). AllowDependentGrids right
-// after the wait: the next kernel's CTAs then take SM slots as this kernel's CTAs retire.
+// before it may touch only the op's constant inputs. AllowDependentGrids right after the wait: the
+// next kernel's CTAs then take SM slots as this kernel's CTAs retire. (An L2 prefetch of GEMM2's
+// first weight chunks before its wait was tried and gained nothing measurable: not kept.)
 // Both device calls are no-ops on a kernel launched the ordinary way.
 #pragma once
 
@@ -30,14 +31,6 @@ __device__ __forceinline__ void WaitForPriorGrids() {
 __device__ __forceinline__ void AllowDependentGrids() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Starts an L2 fill of `bytes` (a multiple of 16, 16-byte aligned) at `src`: one instruction,
-// no completion to wait for. For weights a kernel will stream after WaitForPriorGrids.
-__device__ __forceinline__ void PrefetchL2(const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 #endif
 }
 

@@ -10,9 +10,6 @@
 // row I + n, so the activation can be applied in registers).
 #pragma once
 
-#include <algorithm>
-#include <cstdlib>
-
 #include "cuda/int4_mma_core.cuh"
 
 namespace jax_moeq::cuda {
@@ -56,11 +53,6 @@ struct MoeGemmArgs {
   const float* bias = nullptr;   // [E][n] or null
   int activation = 0;
   GemmMainloop mainloop = GemmMainloop::kRegisters;
-  // Chunks of each subtile to prefetch into L2 before WaitForPriorGrids, or 0. Only for a GEMM
-  // whose expert blocks were aligned at least two launches earlier (GEMM2): the kernel reads
-  // expert_ids before the wait, which is safe once the previous kernel has itself passed its
-  // wait (the alignment has then completed and flushed) before letting this one start.
-  int prefetch_chunks = 0;
 };
 
 __device__ __forceinline__ float ApplyActivation(int kind, float gate, float up) {
@@ -180,15 +172,6 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   const int kc_end = min(chunks, kc_begin + p.chunks_per_split);
   const int n_sub = p.n / 16;
   const int sub[kNsub] = {unit * p.unit_mult, unit * p.unit_mult + p.sub_stride};
-  if (p.prefetch_chunks > 0 && lane < kNsub && kc_begin < kc_end) {
-    // Start this warp's first weight chunks towards L2 while the previous kernel finishes.
-    const int expert = p.expert_ids[blk];
-    if (expert >= 0) {
-      const int count = min(p.prefetch_chunks, kc_end - kc_begin);
-      const int64_t subtile = static_cast<int64_t>(expert) * n_sub + (lane == 0 ? sub[0] : sub[1]);
-      PrefetchL2(p.w + (subtile * chunks + kc_begin) * 32, count * 512u);
-    }
-  }
   WaitForPriorGrids();
   AllowDependentGrids();
   const int block_m = MT * 8;
@@ -555,17 +538,6 @@ static __global__ void AlignBatchedKernel(const int32_t* expert_num_tokens, int 
   const int count = min(max(expert_num_tokens[e], 0), max_tokens);
   sorted_ids[i] = m < count ? e * max_tokens + m : experts * max_tokens;
   if (i % block_m == 0) expert_ids[b] = e;
-}
-
-// Chunks of each weight subtile GEMM2 prefetches into L2 while GEMM1 (or its finalize) drains:
-// MoeGemmArgs::prefetch_chunks. 8 chunks = 8 KB per warp, at most ~17 MB of L2 for two CTAs on
-// each of 132 SMs. JAX_MOEQ_GEMM2_PREFETCH_CHUNKS overrides it (0: off); read once per process.
-inline int Gemm2PrefetchChunks() {
-  static const int chunks = [] {
-    const char* v = std::getenv("JAX_MOEQ_GEMM2_PREFETCH_CHUNKS");
-    return v ? std::max(0, std::atoi(v)) : 8;
-  }();
-  return chunks;
 }
 
 // Host side: one launch of the GEMM for args.block_m and args.mainloop, CTAs of kGemmWarps

@@ -223,7 +223,6 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;  // zeroed by the alignment launch when split
-  g2.prefetch_chunks = Gemm2PrefetchChunks();  // its blocks were aligned >= 2 launches back
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, max_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;

@@ -195,7 +195,6 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;
-  g2.prefetch_chunks = Gemm2PrefetchChunks();  // its blocks were aligned >= 2 launches back
   g2.bias = nullptr;
   g2.act_col = nullptr;
   LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, static_cast<int>(max_blocks), stream);
