@@ -31,10 +31,7 @@ namespace jax_moeq::cuda {
 
 constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaThreads = 256;
-#ifndef JAX_MOEQ_WGMMA_STAGES
-#define JAX_MOEQ_WGMMA_STAGES 5
-#endif
-constexpr int kWgmmaStages = JAX_MOEQ_WGMMA_STAGES;
+constexpr int kWgmmaStages = 5;
 constexpr int kWgmmaAhead = kWgmmaStages - 2;  // the stage refilled was read two chunks ago
 // MMA groups (one per k-step) a warpgroup leaves running; each k-step owns its A registers.
 #ifndef JAX_MOEQ_WGMMA_IN_FLIGHT
