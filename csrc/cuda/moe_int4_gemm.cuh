@@ -167,6 +167,11 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int unit = blockIdx.y * (blockDim.x >> 5) + warp;
   if (unit >= p.units) return;
+  const int chunks = p.k / 64;
+  const int kc_begin = blockIdx.z * p.chunks_per_split;
+  const int kc_end = min(chunks, kc_begin + p.chunks_per_split);
+  const int n_sub = p.n / 16;
+  const int sub[kNsub] = {unit * p.unit_mult, unit * p.unit_mult + p.sub_stride};
   WaitForPriorGrids();
   AllowDependentGrids();
   const int block_m = MT * 8;
@@ -187,11 +192,6 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
               (xvalid[m] ? static_cast<int64_t>(id / p.in_div) * p.ld_x : 0) + 16 * t;
   }
 
-  const int chunks = p.k / 64;
-  const int kc_begin = blockIdx.z * p.chunks_per_split;
-  const int kc_end = min(chunks, kc_begin + p.chunks_per_split);
-  const int n_sub = p.n / 16;
-  const int sub[kNsub] = {unit * p.unit_mult, unit * p.unit_mult + p.sub_stride};
   const uint4* wp[kNsub];
 #pragma unroll
   for (int j = 0; j < kNsub; ++j) {
