@@ -149,6 +149,10 @@ __device__ __forceinline__ uint32_t LdShared32(uint32_t a) {
   return v;
 }
 
+__device__ __forceinline__ void StShared16(uint32_t a, uint16_t v) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(v) : "memory");
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 // Waits until at most kPending of this thread's committed groups are still in flight.

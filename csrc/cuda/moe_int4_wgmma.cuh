@@ -68,6 +68,66 @@ static __global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* 
   }
 }
 
+// GEMM1's activation epilogue without act-order: the CTA's 128 tokens x 128 activation columns
+// (gate rows 128 n_tile .. + 127, in the logical chunk order GEMM2 reads) are staged in the
+// drained pipeline stages, then written as 16-byte row pieces: 8 coalesced stores a thread
+// instead of 64 scattered 2-byte ones. Every thread of the CTA must call it (two barriers);
+// warps of an idle warpgroup (odd unit count) pass tile_ok = false and store nothing.
+constexpr int kWgOutRowBytes = 128 * 2 + 16;  // + 16 bytes: row starts spread over the banks
+static_assert(kWgmmaBlockM * kWgOutRowBytes <= kWgmmaStages * kWgStageBytes,
+              "the output tile fits in the pipeline stages");
+
+template <typename T, int kActivationKind>
+__device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32_t smem, int blk,
+                                                    int n_tile, const float (&acc)[2][64],
+                                                    bool tile_ok) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int half_n = p.n / 2;
+  const int expert = __ldg(p.expert_ids + blk);
+  CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
+  __syncthreads();   // every warp has read its last stage
+  if (tile_ok) {
+    // Gate row (= activation column) n of this warp: sub0 * 16 + row; its local logical column.
+    const int n0 = 128 * n_tile + 64 * (warp >> 2) + 16 * (warp & 3);
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int n = n0 + g + 8 * rh;
+      float bias_gate = 0.0f, bias_up = 0.0f;
+      if (p.bias) {
+        bias_gate = p.bias[static_cast<int64_t>(expert) * p.n + n];
+        bias_up = p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
+      }
+      const int col = 64 * (warp >> 2) + LogicalOfPhysical(16 * (warp & 3) + g + 8 * rh);
+      const uint32_t dst = smem + 2 * t * kWgOutRowBytes + 2 * col;
+#pragma unroll
+      for (int nb = 0; nb < 16; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 4 * nb + 2 * rh + e;
+          const float a = RoundedActivation<T>(kActivationKind, acc[0][i] + bias_gate,
+                                               acc[1][i] + bias_up);
+          const T h = HalfType<T>::from_float(a);
+          StShared16(dst + (8 * nb + e) * kWgOutRowBytes, *reinterpret_cast<const uint16_t*>(&h));
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // Column pieces of 8 past the last unit's columns belong to an idle warpgroup.
+  const int cols = min(128, 64 * (p.units - 2 * n_tile));
+#pragma unroll
+  for (int i = 0; i < kWgmmaBlockM * 16 / kWgmmaThreads; ++i) {
+    const int v = tid + kWgmmaThreads * i;
+    const int r = v >> 4, q = v & 15;
+    const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + r);
+    if (id >= p.num_rows || 8 * q >= cols) continue;
+    const uint4 piece = LdShared128(smem + r * kWgOutRowBytes + 16 * q);
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.act) + static_cast<int64_t>(id) * half_n +
+                              128 * n_tile + 8 * q) = piece;
+  }
+}
+
 // Grid order: blockIdx.x = expert block and blockIdx.y = N tile (kExpertBlockFastest), or the
 // reverse. GEMM1 runs expert blocks fastest: a wave then covers every token block of one or two
 // N tiles, whose weights it reads once while the (small) permuted inputs stay in L2. GEMM2's
@@ -214,9 +274,19 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   WgmmaWait<0>();
   FenceAccumulators(acc[0]);
   FenceAccumulators(acc[1]);
-  if (!tile_ok[0]) return;
 
-  // Epilogue: d[4 nb + c] = row g + 8 (c >> 1) of each subtile, token column 8 nb + 2t + (c & 1).
+  // Epilogue. Accumulator d[4 nb + c] = row g + 8 (c >> 1) of each subtile, token column
+  // 8 nb + 2t + (c & 1). The tensor cores idle until the CTA exits, so its instructions count.
+  if (p.epilogue == EpilogueKind::kActivation && p.act_col == nullptr) {
+    // The activation kind is uniform: one specialized loop each, no branch per element.
+    if (p.activation == 1) {
+      StoreActivationTile<T, 1>(p, smem, blk, n_tile, acc, tile_ok[0]);
+    } else {
+      StoreActivationTile<T, 0>(p, smem, blk, n_tile, acc, tile_ok[0]);
+    }
+    return;
+  }
+  if (!tile_ok[0]) return;
 #pragma unroll
   for (int nb = 0; nb < 16; ++nb) {
 #pragma unroll
@@ -227,7 +297,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
       for (int rh = 0; rh < 2; ++rh) {
         const int row = g + 8 * rh;
         const int i = 4 * nb + 2 * rh + e;
-        if (p.epilogue == EpilogueKind::kActivation) {
+        if (p.epilogue == EpilogueKind::kActivation) {  // act-order: columns through act_col
           StoreActivation<T, true>(p, expert, sub[0] * 16 + row, id, acc[0][i], acc[1][i]);
         } else {
 #pragma unroll
