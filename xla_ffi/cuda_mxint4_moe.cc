@@ -128,7 +128,9 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   RETURN_IF_ERROR(CheckScratch("act", *act, ffi::BF16, T * K * I));
   if (p.split13 > 1) RETURN_IF_ERROR(CheckScratch("ws13", *ws13, ffi::F32, T * K * 2 * I));
   RETURN_IF_ERROR(CheckScratch("ws2", *ws2, ffi::F32, T * K * H));
-  if (p.block_m == 128) RETURN_IF_ERROR(CheckScratch("x_perm", *x_perm, ffi::BF16, T * H));
+  if (const int64_t perm_rows = cuda::MxInt4MoePermutedRows(p); perm_rows > 0) {
+    RETURN_IF_ERROR(CheckScratch("x_perm", *x_perm, ffi::BF16, perm_rows * H));
+  }
 
   p.x = x.untyped_data();
   p.logits = logits.untyped_data();

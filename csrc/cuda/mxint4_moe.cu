@@ -80,6 +80,10 @@ int64_t MxInt4MoeMaxPadded(const MxInt4MoeProblem& p) {
 
 int64_t MxInt4MoeMaxBlocks(const MxInt4MoeProblem& p) { return MxInt4MoeMaxPadded(p) / p.block_m; }
 
+int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p) {
+  return p.block_m == kWgmmaBlockM ? p.tokens : 0;
+}
+
 std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   if (p.tokens < 0) return "tokens must be >= 0";
   if (p.num_experts < 1 || p.num_experts > kMxInt4MaxExperts) {
@@ -156,10 +160,9 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   // 3. GEMM1 (+ SwiGLU in the epilogue unless split). The wgmma GEMM (block_m 128) reads its
   // inputs in logical chunk order: permute x's columns once per token.
   const bool wgmma = p.block_m == kWgmmaBlockM;
-  if (wgmma) {
-    const int tokens = static_cast<int>(p.tokens);
-    LaunchAfterPrior(PermuteRowsKernel<Bf16>, dim3(tokens), dim3(256), 0, stream,
-                     static_cast<const Bf16*>(p.x), 1, nullptr, 1, nullptr, true, H, tokens, L,
+  if (const int perm_rows = static_cast<int>(MxInt4MoePermutedRows(p)); perm_rows > 0) {
+    LaunchAfterPrior(PermuteRowsKernel<Bf16>, dim3(perm_rows), dim3(256), 0, stream,
+                     static_cast<const Bf16*>(p.x), 1, nullptr, 1, nullptr, true, H, perm_rows, L,
                      static_cast<Bf16*>(p.x_perm));
     err = CudaError("input permute kernel");
     if (!err.empty()) return err;

@@ -71,6 +71,8 @@ struct MxInt4MoeProblem {
 
 int64_t MxInt4MoeMaxPadded(const MxInt4MoeProblem& p);
 int64_t MxInt4MoeMaxBlocks(const MxInt4MoeProblem& p);
+// Rows of x_perm the call writes: every token for the wgmma GEMM (block_m 128), else none.
+int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p);
 
 // Shape and routing-argument rules; empty string when fine.
 std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p);
