@@ -86,6 +86,13 @@ __device__ __forceinline__ float RoundedActivation(int kind, float gate, float u
   return RoundTo<T>(ApplyActivation(kind, RoundTo<T>(gate), RoundTo<T>(up)));
 }
 
+// Bias of gate row n and of its up row I + n, for biases laid out [E][2I] (0 without a bias).
+__device__ __forceinline__ float2 GateUpBias(const float* bias, int expert, int inter, int n) {
+  if (!bias) return make_float2(0.0f, 0.0f);
+  const float* b = bias + static_cast<int64_t>(expert) * 2 * inter;
+  return make_float2(b[n], b[inter + n]);
+}
+
 template <typename T>
 __device__ __forceinline__ void StoreHalf(void* base, int64_t index, float v) {
   reinterpret_cast<T*>(base)[index] = HalfType<T>::from_float(v);
@@ -115,11 +122,8 @@ template <typename T, bool kLogicalColumns>
 __device__ __forceinline__ void StoreActivation(const MoeGemmArgs& p, int expert, int n, int id,
                                                 float gate, float up) {
   const int half_n = p.n / 2;
-  if (p.bias) {
-    gate += p.bias[static_cast<int64_t>(expert) * p.n + n];
-    up += p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
-  }
-  const float a = RoundedActivation<T>(p.activation, gate, up);
+  const float2 bias = GateUpBias(p.bias, expert, half_n, n);
+  const float a = RoundedActivation<T>(p.activation, gate + bias.x, up + bias.y);
   int col = p.act_col ? __ldg(p.act_col + static_cast<int64_t>(expert) * half_n + n) : n;
   if constexpr (kLogicalColumns) col = LogicalColumn(col);
   StoreHalf<T>(p.act, static_cast<int64_t>(id) * half_n + col, a);

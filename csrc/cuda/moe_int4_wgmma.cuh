@@ -79,12 +79,11 @@ static_assert(kWgmmaBlockM * kWgOutRowBytes <= kWgmmaStages * kWgStageBytes,
 
 template <typename T, int kActivationKind>
 __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32_t smem, int blk,
-                                                    int n_tile, const float (&acc)[2][64],
-                                                    bool tile_ok) {
+                                                    int expert, int n_tile,
+                                                    const float (&acc)[2][64], bool tile_ok) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int half_n = p.n / 2;
-  const int expert = __ldg(p.expert_ids + blk);
   CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
   __syncthreads();   // every warp has read its last stage
   if (tile_ok) {
@@ -92,12 +91,7 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
     const int n0 = 128 * n_tile + 64 * (warp >> 2) + 16 * (warp & 3);
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
-      const int n = n0 + g + 8 * rh;
-      float bias_gate = 0.0f, bias_up = 0.0f;
-      if (p.bias) {
-        bias_gate = p.bias[static_cast<int64_t>(expert) * p.n + n];
-        bias_up = p.bias[static_cast<int64_t>(expert) * p.n + half_n + n];
-      }
+      const float2 bias = GateUpBias(p.bias, expert, half_n, n0 + g + 8 * rh);
       const int col = 64 * (warp >> 2) + LogicalOfPhysical(16 * (warp & 3) + g + 8 * rh);
       const uint32_t dst = smem + 2 * t * kWgOutRowBytes + 2 * col;
 #pragma unroll
@@ -105,8 +99,8 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 4 * nb + 2 * rh + e;
-          const float a = RoundedActivation<T>(kActivationKind, acc[0][i] + bias_gate,
-                                               acc[1][i] + bias_up);
+          const float a = RoundedActivation<T>(kActivationKind, acc[0][i] + bias.x,
+                                               acc[1][i] + bias.y);
           const T h = HalfType<T>::from_float(a);
           StShared16(dst + (8 * nb + e) * kWgOutRowBytes, *reinterpret_cast<const uint16_t*>(&h));
         }
@@ -280,9 +274,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   if (p.epilogue == EpilogueKind::kActivation && p.act_col == nullptr) {
     // The activation kind is uniform: one specialized loop each, no branch per element.
     if (p.activation == 1) {
-      StoreActivationTile<T, 1>(p, smem, blk, n_tile, acc, tile_ok[0]);
+      StoreActivationTile<T, 1>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
     } else {
-      StoreActivationTile<T, 0>(p, smem, blk, n_tile, acc, tile_ok[0]);
+      StoreActivationTile<T, 0>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
     }
     return;
   }

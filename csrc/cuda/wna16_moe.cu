@@ -26,12 +26,9 @@ __global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
   const int e = row_expert_src ? row_expert_src[id] : id / row_expert_div;
   if (e < 0 || e >= experts) return;
   if (expert_num_tokens && id % max_tokens >= expert_num_tokens[e]) return;
-  float gate = ws[static_cast<int64_t>(id) * 2 * inter + n];
-  float up = ws[static_cast<int64_t>(id) * 2 * inter + inter + n];
-  if (bias) {
-    gate += bias[static_cast<int64_t>(e) * 2 * inter + n];
-    up += bias[static_cast<int64_t>(e) * 2 * inter + inter + n];
-  }
+  const float2 b = GateUpBias(bias, e, inter, n);
+  const float gate = ws[static_cast<int64_t>(id) * 2 * inter + n] + b.x;
+  const float up = ws[static_cast<int64_t>(id) * 2 * inter + inter + n] + b.y;
   const float a = RoundedActivation<T>(activation, gate, up);
   const int col = act_col ? act_col[static_cast<int64_t>(e) * inter + n] : n;
   StoreHalf<T>(act, static_cast<int64_t>(id) * inter + col, a);
