@@ -220,6 +220,40 @@ def test_wgmma_prefill(name, e, k, h, i, t):
   assert _rel(out, small) <= 5e-3  # same rounding points; f32 summation order only
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("mainloop", ["registers", "async_ring"])
+def test_one_token_decode_path(ranks, mainloop):
+  """T = 1 with GEMM1 unsplit (H = 256: 4 chunks) takes the decode path without alignment
+  (_gpu_launch.decodes_without_alignment): each pair its own block, GEMM2 (split, I = 1024)
+  finalizes. Under expert parallelism a rank's foreign pairs are blocks that compute nothing
+  but still count; a rank may hold none of the token's experts (output 0). Against the
+  reference per rank, the ranks' sum against the full layer, and the aligned path (block_m 16)."""
+  from jax_moeq.ops import _gpu_launch
+  e, k, h, i = 16, 4, 256, 1024
+  local = e // ranks
+  assert _gpu_launch.choose_split(min(local, k), i // 16, h // 64, 8, k * 2 * i * 4) == 1
+  assert _gpu_launch.decodes_without_alignment(1, 8, 1)
+  prepared, canon = _experts(40 + ranks, e, h, i)
+  x, logits, _ = _inputs(40 + ranks, 1, e, h)
+  full, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
+                    block_m=16)
+  total = jnp.zeros((1, h), jnp.float32)
+  for r in range(ranks):
+    part, _, _ = _run_poisoned(prepared, x, logits, f"rank {r}: ", e=e, k=k, i=i, local=local,
+                               ep_rank=r, routing_method=RM.Renormalize, block_m=8,
+                               mainloop=mainloop)
+    ref = _reference(canon, x, logits, e=e, k=k, local=local, ep_rank=r,
+                     routing_method=RM.Renormalize)
+    if float(jnp.abs(ref.astype(jnp.float32)).max()) == 0.0:  # no expert of this rank was hit
+      assert bool(jnp.all(part.astype(jnp.float32) == 0.0))
+    else:
+      assert _rel(part, ref) <= TOL
+    total = total + part.astype(jnp.float32)
+  assert _rel(total, full) <= TOL  # each rank rounds its partial sum to bf16 once
+  if ranks == 1:  # same products as the aligned path; GEMM2's f32 atomics add in another order
+    assert _rel(total, full) <= 2.0**-8
+
+
 @pytest.mark.parametrize("t", [1, 16])
 def test_async_ring_on_decode_shapes(t):
   """The cp.async main loop (block_m 8/16) on a Qwen3-30B-A3B-shaped layer, split-K included."""
@@ -245,7 +279,7 @@ def test_handler_rejects_bad_buffers():
              jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
              jax.ShapeDtypeStruct((t * k * i,), jnp.bfloat16),
              jax.ShapeDtypeStruct((1,), jnp.float32),
-             jax.ShapeDtypeStruct((t * k * h,), jnp.float32),
+             jax.ShapeDtypeStruct((t * k * h + h // 32,), jnp.float32),
              jax.ShapeDtypeStruct((1,), jnp.bfloat16)]
   call = jax.ffi.ffi_call(mxint4_gpu.FFI_TARGET, results)
   attrs = dict(top_k=np.int64(k), intermediate_size=np.int64(i), local_expert_offset=np.int64(0),

@@ -333,6 +333,61 @@ def test_batched_vs_reference(case):
   assert np.all(got[~live] == 0)
 
 
+# The one-token decode path (_gpu_launch.decodes_without_alignment): each pair its own block, GEMM1
+# clears GEMM2's workspace, GEMM2's last warp per 32 columns finalizes. H = 256 (4 chunks) keeps
+# GEMM1 unsplit, which the path needs; I = 2048 / 1024 split GEMM2 (f32 atomics), I = 256 does not.
+# (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation)
+ONE_TOKEN_CASES = [
+    (1, 8, 2, 256, 2048, 128, jnp.bfloat16, False, False, True, 0),
+    (1, 64, 8, 256, 1024, 64, jnp.float16, False, True, False, 1),
+    (1, 8, 1, 256, 256, 32, jnp.bfloat16, False, False, True, 2),
+]
+
+
+def _splits(t, e, k, h, i, block_m):
+  from jax_moeq.ops import _gpu_launch
+  pairs = t * k
+  busy = _gpu_launch.expected_busy_blocks(pairs, e, block_m)
+  return (_gpu_launch.choose_split(busy, i // 16, h // 64, block_m, pairs * 2 * i * 4),
+          _gpu_launch.choose_split(busy, h // 32, i // 64, block_m, 0))
+
+
+@pytest.mark.parametrize("case", ONE_TOKEN_CASES, ids=_case_id)
+def test_one_token_decode_path(case):
+  from jax_moeq.ops import _gpu_launch
+  t, e, k, h, i = case[:5]
+  split13, split2 = _splits(t, e, k, h, i, 8)
+  assert _gpu_launch.decodes_without_alignment(t, 8, split13)
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case)
+  assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
+  # The aligned path (block_m 16) on the same inputs: same products; only GEMM2's split-K adds
+  # in another order, so an output differs by at most one ulp of its dtype (2^-8 in bf16).
+  aligned = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
+                                       block_m=16)
+  assert _rel(got, aligned.astype(jnp.float32)) <= 2.0**-8
+
+
+@pytest.mark.parametrize("ids", [[[3, 99]], [[5, 5]], [[-1, 200]]],
+                         ids=["foreign", "repeated", "none_local"])
+def test_one_token_odd_ids(ids):
+  """The decode path's blocks with an out-of-range expert compute nothing but still count for the
+  finalize; a repeated expert is two blocks. Poisoned output: every column is written."""
+  weights, (w13, w2, b13, b2) = _build(15, 8, 256, 1024, 128, jnp.bfloat16, bias=True)
+  topk_ids = jnp.array(ids, jnp.int32)
+  topk_w = jnp.array([[0.7, 0.3]], jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(16), (1, 256), jnp.float32).astype(jnp.bfloat16)
+  poison = jnp.full((1, 256), jnp.nan, jnp.bfloat16)
+  got = np.asarray(wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids,
+                                              out_init=poison).astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  want = np.asarray(_reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=0,
+                                        dtype=jnp.bfloat16).astype(jnp.float32))
+  if ids == [[-1, 200]]:
+    assert np.all(got == 0)
+  else:
+    assert _rel(got, want) <= TOL
+
+
 def test_out_of_range_ids_contribute_nothing():
   weights, (w13, w2, b13, b2) = _build(5, 8, 256, 256, 128, jnp.bfloat16)
   topk_w, topk_ids = _routing(5, 4, 8, 2)

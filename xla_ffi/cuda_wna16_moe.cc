@@ -162,8 +162,8 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   if (split13 > 1 && static_cast<int64_t>(ws13->element_count()) < rows * 2 * I) {
     return Invalid("ws13 scratch must hold rows * 2I floats when split13 > 1");
   }
-  if (static_cast<int64_t>(ws2->element_count()) < rows * H) {
-    return Invalid("ws2 scratch must hold rows * H floats");
+  if (static_cast<int64_t>(ws2->element_count()) < cuda::Wna16MoeWs2Floats(p)) {
+    return Invalid("ws2 scratch must hold rows * H + H / 32 floats");
   }
 
   p.x = x.untyped_data();

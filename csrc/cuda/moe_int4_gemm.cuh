@@ -53,7 +53,36 @@ struct MoeGemmArgs {
   const float* bias = nullptr;   // [E][n] or null
   int activation = 0;
   GemmMainloop mainloop = GemmMainloop::kRegisters;
+
+  // Decode without alignment (DecodesWithoutAlignment): block b computes pair b alone, its
+  // expert pair_experts[b] (out of [0, experts): the block computes nothing). sorted_ids,
+  // expert_ids and num_post_padded are then unused; the grid has one block per pair.
+  const int32_t* pair_experts = nullptr;
+  int experts = 0;
+  // GEMM1 of such a call clears GEMM2's accumulators and arrival counters (clear_count floats).
+  float* clear = nullptr;
+  int64_t clear_count = 0;
+  // GEMM2 of such a call finalizes in its epilogue: the warp that completes a unit's 32 columns
+  // last (every block and split has added into ws) writes out[t][n] = round(sum_k
+  // round((ws[t*K+k][n] + out_bias[e][n]) * topk_weights[t*K+k])) for them.
+  int32_t* arrivals = nullptr;   // [units], zero at launch
+  const float* topk_weights = nullptr;
+  const float* out_bias = nullptr;  // [E][n] or null
+  void* out = nullptr;           // [rows / top_k][n] T
+  int top_k = 1;
 };
+
+// Whether a call takes the decode path without alignment: one token (its K pairs have distinct
+// experts from a top-k, so a block per pair reads each expert's weights once), standard format,
+// no act-order (its permuted rows come from the alignment's order), block_m 8, and GEMM1 unsplit
+// (GEMM1 is the call's first GEMM kernel and clears GEMM2's workspace, so nothing may clear
+// GEMM1's own). Saves the alignment launch and the finalize launch (GEMM2 finalizes).
+inline bool DecodesWithoutAlignment(bool standard, bool act_order, int64_t tokens, int block_m,
+                                    int split13) {
+  return standard && !act_order && tokens == 1 && block_m == 8 && split13 == 1;
+}
+// Floats of GEMM2's workspace: rows x n accumulators, then one arrival counter per 32 columns.
+inline int64_t Gemm2WorkspaceFloats(int64_t rows, int64_t n) { return rows * n + n / 32; }
 
 // e^x and 1/x from the hardware's approximate exp2 and reciprocal (flushing subnormals): within a
 // few f32 ulps of expf and IEEE division, far below the rounding to T that follows, at a fifth
@@ -170,34 +199,76 @@ __device__ __forceinline__ uint32_t MagicPlusZero(uint32_t zero_pair) {
   return AsBits(__hadd2(AsHalf2<T2>(zero_pair), AsHalf2<T2>(HalfType<T>::kMagic)));
 }
 
-// kFolded: either main loop with MmaChunkFolded / FoldGroup (groups of whole chunks, block_m 8
-// and 16: where dequantization instructions, not bytes, bound the decode GEMMs).
-template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters,
-          bool kFolded = false>
-__global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
-  static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 4,
-                "the cp.async ring holds block_m 8, 16 and 32");
-  static_assert(!kFolded || MT <= 2, "the folded main loops are for block_m 8 and 16");
-  static_assert(kMainloop != GemmMainloop::kBulkCopy || MT <= 2,
-                "the bulk-copy main loop is for block_m 8 and 16");
+// Expert of expert block `blk`, or -1 when the block has no work: past the padded end, all
+// padding, or (decode without alignment) a pair whose expert is out of range.
+__device__ __forceinline__ int BlockExpert(const MoeGemmArgs& p, int blk, int block_m) {
+  if (p.pair_experts) {
+    if (blk >= p.num_rows) return -1;
+    const int e = __ldg(p.pair_experts + blk);
+    return e >= 0 && e < p.experts ? e : -1;
+  }
+  if (blk * block_m >= __ldg(p.num_post_padded)) return -1;
+  if (__ldg(p.sorted_ids + blk * block_m) >= p.num_rows) return -1;
+  return __ldg(p.expert_ids + blk);
+}
+
+// Pair row of slot `slot` of expert block `blk` (>= num_rows: padding).
+__device__ __forceinline__ int BlockRow(const MoeGemmArgs& p, int blk, int block_m, int slot) {
+  if (p.pair_experts) return slot == 0 ? blk : p.num_rows;
+  return __ldg(p.sorted_ids + blk * block_m + slot);
+}
+
+// Zeroes dst[0, count) with every thread of the grid.
+__device__ __forceinline__ void ClearWithGrid(float* dst, int64_t count) {
+  const int64_t ctas = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
+  const int64_t cta =
+      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+  for (int64_t i = cta * blockDim.x + threadIdx.x; i < count; i += ctas * blockDim.x) dst[i] = 0.0f;
+}
+
+// GEMM2's fused finalize (MoeGemmArgs::arrivals): this warp has added its part of unit `unit`
+// into ws; the warp that arrives last for the unit (one arrival per block and split) reduces its
+// 32 columns over each token's pairs, as FinalizeStandardKernel does.
+template <typename T>
+__device__ __forceinline__ void ArriveAndFinalize(const MoeGemmArgs& p, int unit, int lane) {
+  __threadfence();  // this lane's adds are visible before its warp's arrival
+  __syncwarp();
+  int ticket = 0;
+  if (lane == 0) ticket = atomicAdd(p.arrivals + unit, 1);
+  ticket = __shfl_sync(0xffffffffu, ticket, 0);
+  if (ticket != static_cast<int>(gridDim.x * gridDim.z) - 1) return;
+  __threadfence();  // and the others' adds before the reads below (from L2: __ldcg)
+  const int col = unit * 32 + lane;
+  const int tokens = p.num_rows / p.top_k;
+  for (int t = 0; t < tokens; ++t) {
+    float sum = 0.0f;
+    for (int k = 0; k < p.top_k; ++k) {
+      const int pair = t * p.top_k + k;
+      const int e = __ldg(p.pair_experts + pair);
+      if (e < 0 || e >= p.experts) continue;
+      float y = __ldcg(p.ws + static_cast<int64_t>(pair) * p.n + col);
+      if (p.out_bias) y += __ldg(p.out_bias + static_cast<int64_t>(e) * p.n + col);
+      sum += RoundTo<T>(y * __ldg(p.topk_weights + pair));  // rounded once per pair, as the reference
+    }
+    StoreHalf<T>(p.out, static_cast<int64_t>(t) * p.n + col, sum);
+  }
+}
+
+// The GEMM of one expert block (of `expert`) for one warp's unit along N and the CTA's split of K:
+// the main loop and the epilogue. kFolded: either main loop with MmaChunkFolded / FoldGroup
+// (groups of whole chunks, block_m 8 and 16: where dequantization instructions, not bytes, bound
+// the decode GEMMs).
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop, bool kFolded>
+__device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int blk, int unit,
+                                                       int warp, int lane, int expert) {
   constexpr int kNsub = 2;
   constexpr int kStage = ChunksPerStage<MT>();
-  const int blk = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int unit = blockIdx.y * (blockDim.x >> 5) + warp;
-  if (unit >= p.units) return;
   const int chunks = p.k / 64;
   const int kc_begin = blockIdx.z * p.chunks_per_split;
   const int kc_end = min(chunks, kc_begin + p.chunks_per_split);
   const int n_sub = p.n / 16;
   const int sub[kNsub] = {unit * p.unit_mult, unit * p.unit_mult + p.sub_stride};
-  WaitForPriorGrids();
-  AllowDependentGrids();
   const int block_m = MT * 8;
-  if (blk * block_m >= __ldg(p.num_post_padded)) return;
-  if (__ldg(p.sorted_ids + blk * block_m) >= p.num_rows) return;  // empty block
-  const int expert = __ldg(p.expert_ids + blk);
-  if (expert < 0) return;
   const int g = lane >> 2, t = lane & 3;
 
   // Activation rows of this lane (token g of each 8-token tile).
@@ -205,7 +276,7 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   bool xvalid[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-    const int id = __ldg(p.sorted_ids + blk * block_m + m * 8 + g);
+    const int id = BlockRow(p, blk, block_m, m * 8 + g);
     xvalid[m] = id < p.num_rows;
     xrow[m] = reinterpret_cast<const T*>(p.x) +
               (xvalid[m] ? static_cast<int64_t>(id / p.in_div) * p.ld_x : 0) + 16 * t;
@@ -428,7 +499,7 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int row = g + 8 * (c >> 1);
-      const int id = __ldg(p.sorted_ids + blk * block_m + m * 8 + 2 * t + (c & 1));
+      const int id = BlockRow(p, blk, block_m, m * 8 + 2 * t + (c & 1));
       if (id >= p.num_rows) continue;
       if (p.epilogue == EpilogueKind::kActivation) {
         StoreActivation<T, false>(p, expert, sub[0] * 16 + row, id, acc[0][m][c], acc[1][m][c]);
@@ -445,6 +516,29 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
       }
     }
   }
+}
+
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters,
+          bool kFolded = false>
+__global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
+  static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 4,
+                "the cp.async ring holds block_m 8, 16 and 32");
+  static_assert(!kFolded || MT <= 2, "the folded main loops are for block_m 8 and 16");
+  static_assert(kMainloop != GemmMainloop::kBulkCopy || MT <= 2,
+                "the bulk-copy main loop is for block_m 8 and 16");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int unit = blockIdx.y * (blockDim.x >> 5) + warp;
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  if (p.clear) ClearWithGrid(p.clear, p.clear_count);
+  if (unit >= p.units) return;
+  const int expert = BlockExpert(p, blockIdx.x, MT * 8);
+  if (expert >= 0) {
+    MoeInt4GemmExpertBlock<T, kCode, MT, kMainloop, kFolded>(p, blockIdx.x, unit, warp, lane,
+                                                             expert);
+  }
+  // A block without work still arrives: the unit's count includes every block and split.
+  if (p.arrivals) ArriveAndFinalize<T>(p, unit, lane);
 }
 
 // Standard format: sorted_ids lists pair ids p = t*K + k grouped by expert,

@@ -84,6 +84,10 @@ int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p) {
   return p.block_m == kWgmmaBlockM ? p.tokens : 0;
 }
 
+int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p) {
+  return Gemm2WorkspaceFloats(p.tokens * p.top_k, p.hidden);
+}
+
 std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   if (p.tokens < 0) return "tokens must be >= 0";
   if (p.num_experts < 1 || p.num_experts > kMxInt4MaxExperts) {
@@ -146,16 +150,20 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   if (!err.empty()) return err;
 
   // 2. This rank's pairs to expert blocks (local id -1: dropped); the same launch zeroes the
-  // split-K workspaces.
-  const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
-  const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
-  const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
-  LaunchAfterPrior(AlignStandardKernel, dim3(1 + zero_blocks), dim3(1024),
-                   2 * L * sizeof(int32_t), stream, p.local_ids, rows, L, p.block_m, max_padded,
-                   max_blocks, p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13, zero13,
-                   p.ws2, zero2);
-  err = CudaError("alignment kernel");
-  if (!err.empty()) return err;
+  // split-K workspaces. At one token (DecodesWithoutAlignment) neither: each pair is its own
+  // block and GEMM1 clears ws2.
+  const bool direct = DecodesWithoutAlignment(true, false, p.tokens, p.block_m, p.split13);
+  if (!direct) {
+    const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
+    const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
+    const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
+    LaunchAfterPrior(AlignStandardKernel, dim3(1 + zero_blocks), dim3(1024),
+                     2 * L * sizeof(int32_t), stream, p.local_ids, rows, L, p.block_m,
+                     max_padded, max_blocks, p.sorted_ids, p.expert_ids, p.num_post_padded,
+                     p.ws13, zero13, p.ws2, zero2);
+    err = CudaError("alignment kernel");
+    if (!err.empty()) return err;
+  }
 
   // 3. GEMM1 (+ SwiGLU in the epilogue unless split). The wgmma GEMM (block_m 128) reads its
   // inputs in logical chunk order: permute x's columns once per token.
@@ -198,7 +206,14 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g1, max_blocks, stream);
+  if (direct) {
+    g1.pair_experts = p.local_ids;
+    g1.experts = L;
+    g1.clear = p.ws2;
+    g1.clear_count = Gemm2WorkspaceFloats(rows, H);
+  }
+  const int gemm_blocks = direct ? rows : max_blocks;
+  LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g1, gemm_blocks, stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -225,10 +240,18 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.splits = p.split2;
   g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
   g2.epilogue = EpilogueKind::kF32Store;
-  g2.ws = p.ws2;  // zeroed by the alignment launch when split
-  LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, max_blocks, stream);
+  g2.ws = p.ws2;  // zeroed by the alignment launch when split, or by GEMM1 (direct)
+  g2.clear = nullptr;
+  if (direct) {  // GEMM2 finalizes (5. below) with the counters after ws2's rows
+    g2.arrivals = reinterpret_cast<int32_t*>(p.ws2 + static_cast<int64_t>(rows) * H);
+    g2.topk_weights = p.topk_weights;
+    g2.out = p.out;
+    g2.top_k = static_cast<int>(p.top_k);
+  }
+  LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
+  if (direct) return "";
 
   // 5. Top-k weights and reduction over k.
   const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);

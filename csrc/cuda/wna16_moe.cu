@@ -89,7 +89,10 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts);
 
-  // 1. Token-to-expert alignment; the same launch zeroes the split-K workspaces.
+  // 1. Token-to-expert alignment; the same launch zeroes the split-K workspaces. At one token
+  // (DecodesWithoutAlignment) neither: each pair is its own block and GEMM1 clears ws2.
+  const bool direct =
+      DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m, p.split13);
   const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
   const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
   const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
@@ -99,7 +102,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     AlignBatchedKernel<<<blocks + zero_blocks, threads, 0, stream>>>(
         p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
         p.expert_ids, p.num_post_padded, blocks, p.ws13, zero13, p.ws2, zero2);
-  } else {
+  } else if (!direct) {
     AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * E * sizeof(int32_t), stream>>>(
         p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
         static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13,
@@ -161,7 +164,14 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g1, static_cast<int>(max_blocks), stream);
+  if (direct) {
+    g1.pair_experts = p.topk_ids;
+    g1.experts = E;
+    g1.clear = p.ws2;
+    g1.clear_count = Gemm2WorkspaceFloats(rows, H);
+  }
+  const int gemm_blocks = static_cast<int>(direct ? rows : max_blocks);
+  LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g1, gemm_blocks, stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1) {
@@ -194,13 +204,23 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.ws = p.ws2;
   g2.bias = nullptr;
   g2.act_col = nullptr;
-  LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, static_cast<int>(max_blocks), stream);
+  g2.clear = nullptr;
+  const float* b2 = p.has_bias ? p.b2 : nullptr;
+  if (direct) {  // GEMM2 finalizes (5. below) with the counters after ws2's rows
+    g2.arrivals = reinterpret_cast<int32_t*>(p.ws2 + rows * H);
+    g2.topk_weights = p.topk_weights;
+    g2.out_bias = b2;
+    g2.out = p.out;
+    g2.top_k = static_cast<int>(p.top_k);
+  }
+  LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 
   // 5. Bias, top-k weights, reduction over k.
-  const float* b2 = p.has_bias ? p.b2 : nullptr;
-  if (p.batched) {
+  if (direct) {
+    return "";
+  } else if (p.batched) {
     const dim3 grid((H + 255) / 256, static_cast<int>(rows));
     LaunchAfterPrior(FinalizeBatchedKernel<T>, grid, dim3(256), 0, stream, p.ws2,
                      p.expert_num_tokens, b2, static_cast<int>(p.tokens), H, p.out);
@@ -232,6 +252,10 @@ int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p) { return Wna16MoeMaxPadded(p
 int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p) {
   if (p.act_order || (p.batched && p.block_m == kWgmmaBlockM)) return Wna16MoeRows(p);
   return p.block_m == kWgmmaBlockM ? p.tokens : 0;
+}
+
+int64_t Wna16MoeWs2Floats(const Wna16MoeProblem& p) {
+  return Gemm2WorkspaceFloats(Wna16MoeRows(p), p.hidden);
 }
 
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {

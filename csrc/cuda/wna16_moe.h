@@ -54,7 +54,7 @@ struct Wna16MoeProblem {
   void* x_perm = nullptr;        // [R, H] (act_order)
   void* act = nullptr;           // [R, I]
   float* ws13 = nullptr;         // [R, 2I] (split13 > 1)
-  float* ws2 = nullptr;          // [R, H]
+  float* ws2 = nullptr;          // [R, H], then H / 32 int32 counters (Wna16MoeWs2Floats)
 };
 
 // Rows R of the per-pair buffers (T*K or E*M), padded sorted length and blocks.
@@ -65,6 +65,9 @@ int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p);
 // (rows); the wgmma GEMM (block_m 128) alone permutes each token's inputs once (T, or rows when
 // batched); otherwise none.
 int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p);
+// Floats of ws2: GEMM2's f32 rows (R x H), then the fused finalize's arrival counters (H / 32)
+// of the one-token decode path.
+int64_t Wna16MoeWs2Floats(const Wna16MoeProblem& p);
 
 // Shape rules the kernels need; empty string when fine.
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p);

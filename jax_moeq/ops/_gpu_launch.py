@@ -101,6 +101,15 @@ def choose_block_m(pairs_per_expert: float) -> int:
   return 32
 
 
+def decodes_without_alignment(tokens: int, block_m: int, split13: int, *, batched: bool = False,
+                              act_order: bool = False) -> bool:
+  """Whether the CUDA op takes its one-token decode path (DecodesWithoutAlignment in
+  csrc/cuda/moe_int4_gemm.cuh decides; this mirrors it for tests and benchmarks): each of the
+  token's K pairs is its own expert block (no alignment launch), GEMM1 clears GEMM2's workspace
+  and GEMM2's last warp per 32 output columns finalizes (no finalize launch)."""
+  return not batched and not act_order and tokens == 1 and block_m == 8 and split13 == 1
+
+
 def _launch_cost(ctas: int, chunks_per_cta: int, wave: int) -> int:
   """Time of a memory-bound launch in units of one CTA slot streaming one chunk: each wave moves
   its CTAs' chunks at a rate that grows with its CTAs up to SATURATING_FRACTION of a wave."""

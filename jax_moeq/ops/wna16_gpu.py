@@ -365,7 +365,8 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       jax.ShapeDtypeStruct((x_perm_len,), dt),
       jax.ShapeDtypeStruct((max(rows, 1) * i,), dt),
       jax.ShapeDtypeStruct((rows * 2 * i if split13 > 1 else 1,), jnp.float32),
-      jax.ShapeDtypeStruct((max(rows, 1) * h,), jnp.float32),
+      # GEMM2's f32 rows, then the one-token decode path's arrival counters (one per 32 columns)
+      jax.ShapeDtypeStruct((max(rows, 1) * h + h // 32,), jnp.float32),
   ]
   operands = [x, route_ids, route_weights, weights.w13, weights.w13_scales, weights.w13_zeros,
               weights.w13_bias, weights.w2, weights.w2_scales, weights.w2_zeros, weights.w2_bias,
