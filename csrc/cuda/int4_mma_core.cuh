@@ -223,12 +223,21 @@ __device__ __forceinline__ void FenceProxyAsync() {
 #endif
 }
 
-// (v & 0x000f000f) | kMagic in one LOP3: written in C the compiler spends an AND and an OR, as a
-// LOP3 takes only one immediate.
-template <uint32_t kMagic>
-__device__ __forceinline__ uint32_t NibblePairOrMagic(uint32_t v) {
+// The nibble pair of v (bits 0-3 and 16-19) as two halves magic + u, u = the nibble (uint4b8) or
+// nibble ^ 8 = q + 8 (two's-complement nibbles), in one LOP3: (v & 0x000f000f) | kMagic, or
+// (v & 0x000f000f) ^ (kMagic | 0x00080008) (kMagic has no bits under the nibbles, so | and ^
+// agree there). Written in C the compiler spends an AND and an OR (and an XOR), as a LOP3 takes
+// only one immediate.
+template <uint32_t kMagic, NibbleCode kCode>
+__device__ __forceinline__ uint32_t BiasedNibblePair(uint32_t v) {
+  static_assert((kMagic & 0x000f000fu) == 0, "the magic number must leave the nibble bits clear");
   uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(v), "r"(0x000f000fu), "n"(kMagic));
+  if constexpr (kCode == NibbleCode::kSignedInt4) {
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;"  // (a & b) ^ c
+        : "=r"(r) : "r"(v), "r"(0x000f000fu), "n"(kMagic | 0x00080008u));
+  } else {
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(v), "r"(0x000f000fu), "n"(kMagic));  // (a & b) | c
+  }
   return r;
 }
 
@@ -241,10 +250,9 @@ template <typename T, NibbleCode kCode>
 __device__ __forceinline__ void DequantWord(uint32_t word, uint32_t scale_lo, uint32_t scale_hi,
                                             uint32_t zm_lo, uint32_t zm_hi, uint32_t (&a)[4]) {
   using T2 = typename HalfType<T>::T2;
-  if constexpr (kCode == NibbleCode::kSignedInt4) word ^= 0x88888888u;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t biased = NibblePairOrMagic<HalfType<T>::kMagic>(word >> (4 * i));
+    const uint32_t biased = BiasedNibblePair<HalfType<T>::kMagic, kCode>(word >> (4 * i));
     const bool hi = (i & 1) != 0;
     T2 v = __hsub2(AsHalf2<T2>(biased), AsHalf2<T2>(hi ? zm_hi : zm_lo));
     v = __hmul2(v, AsHalf2<T2>(hi ? scale_hi : scale_lo));
@@ -331,10 +339,9 @@ __device__ __forceinline__ void MmaChunkFolded(const uint4 (&w)[NSUB], const uin
     uint32_t words[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      if constexpr (kCode == NibbleCode::kSignedInt4) words[s] ^= 0x88888888u;
       uint32_t a[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = NibblePairOrMagic<HalfType<T>::kMagic>(words[s] >> (4 * i));
+      for (int i = 0; i < 4; ++i) a[i] = BiasedNibblePair<HalfType<T>::kMagic, kCode>(words[s] >> (4 * i));
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         Mma16816<T>(gacc[j][m], a, ActWord(x[m], 2 * s), ActWord(x[m], 2 * s + 1));
