@@ -9,7 +9,8 @@ allows 2), so a "wave" is num_sms * ctas_per_sm CTAs.
 Split-K is chosen against a wave model (`_launch_cost`): every CTA of a launch does the same work
 (ceil(chunks / split) 64-deep chunks); a full wave streams at full bandwidth, a partial wave (or a
 launch smaller than a wave) at a rate that falls once it holds too few CTAs to keep HBM busy; ties
-go to the smaller split (split-K adds f32 atomics and, for GEMM1, a finalize launch). Why: ncu on
+go to the smaller split (split-K adds f32 atomics and, for GEMM1, a finalize launch) unless the
+larger one still fits one wave (more loads in flight: measured faster). Why: ncu on
 an H100 (2026-11-23, base clocks), Mixtral T=1: GEMM2 at split 9 = 288 CTAs (1.09 waves) took
 52 us for 59 MB (1.1 TB/s) while GEMM1 moved 1.45 TB/s. The rule before
 this one aimed at "about 16 warps per SM" whatever the waves came to.
