@@ -236,7 +236,8 @@ __device__ __forceinline__ uint32_t BiasedNibblePair(uint32_t v) {
     asm("lop3.b32 %0, %1, %2, %3, 0x6a;"  // (a & b) ^ c
         : "=r"(r) : "r"(v), "r"(0x000f000fu), "n"(kMagic | 0x00080008u));
   } else {
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(v), "r"(0x000f000fu), "n"(kMagic));  // (a & b) | c
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;"  // (a & b) | c
+        : "=r"(r) : "r"(v), "r"(0x000f000fu), "n"(kMagic));
   }
   return r;
 }
@@ -341,7 +342,9 @@ __device__ __forceinline__ void MmaChunkFolded(const uint4 (&w)[NSUB], const uin
     for (int s = 0; s < 4; ++s) {
       uint32_t a[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = BiasedNibblePair<HalfType<T>::kMagic, kCode>(words[s] >> (4 * i));
+      for (int i = 0; i < 4; ++i) {
+        a[i] = BiasedNibblePair<HalfType<T>::kMagic, kCode>(words[s] >> (4 * i));
+      }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         Mma16816<T>(gacc[j][m], a, ActWord(x[m], 2 * s), ActWord(x[m], 2 * s + 1));

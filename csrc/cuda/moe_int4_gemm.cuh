@@ -221,9 +221,11 @@ __device__ __forceinline__ int BlockRow(const MoeGemmArgs& p, int blk, int block
 // Zeroes dst[0, count) with every thread of the grid.
 __device__ __forceinline__ void ClearWithGrid(float* dst, int64_t count) {
   const int64_t ctas = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
-  const int64_t cta =
-      blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
-  for (int64_t i = cta * blockDim.x + threadIdx.x; i < count; i += ctas * blockDim.x) dst[i] = 0.0f;
+  const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) *
+                                       (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+  for (int64_t i = cta * blockDim.x + threadIdx.x; i < count; i += ctas * blockDim.x) {
+    dst[i] = 0.0f;
+  }
 }
 
 // GEMM2's fused finalize (MoeGemmArgs::arrivals): this warp has added its part of unit `unit`
@@ -248,7 +250,7 @@ __device__ __forceinline__ void ArriveAndFinalize(const MoeGemmArgs& p, int unit
       if (e < 0 || e >= p.experts) continue;
       float y = __ldcg(p.ws + static_cast<int64_t>(pair) * p.n + col);
       if (p.out_bias) y += __ldg(p.out_bias + static_cast<int64_t>(e) * p.n + col);
-      sum += RoundTo<T>(y * __ldg(p.topk_weights + pair));  // rounded once per pair, as the reference
+      sum += RoundTo<T>(y * __ldg(p.topk_weights + pair));  // once per pair, as the reference
     }
     StoreHalf<T>(p.out, static_cast<int64_t>(t) * p.n + col, sum);
   }
