@@ -159,3 +159,21 @@ def test_mxint4_x_perm_scratch_follows_the_launch(block_m, x_perm_len):
                                               block_m=block_m),
       jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, e), jnp.float32))
   assert shapes[10] == str(x_perm_len)  # the last result: out ... ws2, x_perm
+
+
+def test_gemm_splits_and_ws2_scratch_of_a_one_token_call():
+  """The launch factors and the ws2 scratch (rows x H accumulators, then H / 32 arrival counters
+  for the one-token path) that a WNA16 call asks for, as the FFI handler checks them."""
+  from jax_moeq import _ffi
+  from jax_moeq.ops import wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  e, h, i, k = 8, 256, 1024, 2
+  split13, split2 = launch.choose_gemm_splits(k, h, i, 8, k)
+  assert split13 == launch.choose_split(k, i // 16, h // 64, 8, k * 2 * i * 4) == 1
+  assert split2 == launch.choose_split(k, h // 32, i // 64, 8, 0) > 1
+  w = _wna16_weights(e, h, i, False)
+  shapes = _ffi_result_shapes(
+      lambda x, ids: wna16_gpu.fused_marlin_moe(x, w, jnp.full((1, k), 0.5), ids),
+      jnp.ones((1, h), jnp.bfloat16), jnp.zeros((1, k), jnp.int32))
+  assert shapes[7] == str(launch.gemm2_workspace_floats(k, h)) == str(k * h + h // 32)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moeq import reference, routing
-from jax_moeq.ops import mxint4_gpu
+from jax_moeq.ops import _gpu_launch, mxint4_gpu
 from jax_moeq.quant import int4
 from jax_moeq.routing import RoutingMethodType as RM
 
@@ -228,11 +228,10 @@ def test_one_token_decode_path(ranks, mainloop):
   finalizes. Under expert parallelism a rank's foreign pairs are blocks that compute nothing
   but still count; a rank may hold none of the token's experts (output 0). Against the
   reference per rank, the ranks' sum against the full layer, and the aligned path (block_m 16)."""
-  from jax_moeq.ops import _gpu_launch
   e, k, h, i = 16, 4, 256, 1024
   local = e // ranks
-  assert _gpu_launch.choose_split(min(local, k), i // 16, h // 64, 8, k * 2 * i * 4) == 1
-  assert _gpu_launch.decodes_without_alignment(1, 8, 1)
+  split13, _ = _gpu_launch.choose_gemm_splits(min(local, k), h, i, 8, k)
+  assert _gpu_launch.decodes_without_alignment(1, 8, split13)
   prepared, canon = _experts(40 + ranks, e, h, i)
   x, logits, _ = _inputs(40 + ranks, 1, e, h)
   full, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
@@ -279,7 +278,8 @@ def test_handler_rejects_bad_buffers():
              jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
              jax.ShapeDtypeStruct((t * k * i,), jnp.bfloat16),
              jax.ShapeDtypeStruct((1,), jnp.float32),
-             jax.ShapeDtypeStruct((t * k * h + h // 32,), jnp.float32),
+             jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(t * k, h),),
+                                  jnp.float32),
              jax.ShapeDtypeStruct((1,), jnp.bfloat16)]
   call = jax.ffi.ffi_call(mxint4_gpu.FFI_TARGET, results)
   attrs = dict(top_k=np.int64(k), intermediate_size=np.int64(i), local_expert_offset=np.int64(0),

@@ -344,19 +344,12 @@ ONE_TOKEN_CASES = [
 ]
 
 
-def _splits(t, e, k, h, i, block_m):
-  from jax_moeq.ops import _gpu_launch
-  pairs = t * k
-  busy = _gpu_launch.expected_busy_blocks(pairs, e, block_m)
-  return (_gpu_launch.choose_split(busy, i // 16, h // 64, block_m, pairs * 2 * i * 4),
-          _gpu_launch.choose_split(busy, h // 32, i // 64, block_m, 0))
-
-
 @pytest.mark.parametrize("case", ONE_TOKEN_CASES, ids=_case_id)
 def test_one_token_decode_path(case):
   from jax_moeq.ops import _gpu_launch
   t, e, k, h, i = case[:5]
-  split13, split2 = _splits(t, e, k, h, i, 8)
+  busy = _gpu_launch.expected_busy_blocks(t * k, e, 8)
+  split13, _ = _gpu_launch.choose_gemm_splits(busy, h, i, 8, t * k)
   assert _gpu_launch.decodes_without_alignment(t, 8, split13)
   got, want, (x, weights, topk_w, topk_ids) = _run_case(case)
   assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"

@@ -102,6 +102,23 @@ def choose_block_m(pairs_per_expert: float) -> int:
   return 32
 
 
+def choose_gemm_splits(busy_blocks: int, hidden: int, intermediate: int, block_m: int,
+                       pairs: int) -> tuple[int, int]:
+  """(split13, split2) of one call's GEMMs: GEMM1 has intermediate / 16 warp units along N and
+  hidden / 64 chunks along K, plus an f32 [pairs, 2I] workspace when split; GEMM2 has hidden / 32
+  units and intermediate / 64 chunks."""
+  split13 = choose_split(busy_blocks, intermediate // 16, hidden // 64, block_m,
+                         pairs * 2 * intermediate * 4)
+  split2 = choose_split(busy_blocks, hidden // 32, intermediate // 64, block_m, 0)
+  return split13, split2
+
+
+def gemm2_workspace_floats(rows: int, hidden: int) -> int:
+  """Length of the f32 ws2 scratch (Gemm2WorkspaceFloats in csrc/cuda/moe_int4_gemm.cuh): GEMM2's
+  rows x hidden accumulators, then one arrival counter per 32 columns for the one-token path."""
+  return rows * hidden + hidden // 32
+
+
 def decodes_without_alignment(tokens: int, block_m: int, split13: int, *, batched: bool = False,
                               act_order: bool = False) -> bool:
   """Whether the CUDA op takes its one-token decode path (DecodesWithoutAlignment in

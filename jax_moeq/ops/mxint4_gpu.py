@@ -319,8 +319,7 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   padded = _max_padded(pairs, el, block_m)
   blocks = padded // block_m
   busy = min(blocks, _gpu_launch.expected_busy_blocks(local_pairs, el, block_m))
-  split13 = _gpu_launch.choose_split(busy, i // 16, h // 64, block_m, pairs * 2 * i * 4)
-  split2 = _gpu_launch.choose_split(busy, h // 32, i // 64, block_m, 0)
+  split13, split2 = _gpu_launch.choose_gemm_splits(busy, h, i, block_m, pairs)
   has_bias = e_score_correction_bias is not None
   bias = (jnp.asarray(e_score_correction_bias, jnp.float32).reshape(num_experts) if has_bias
           else jnp.zeros((1,), jnp.float32))
@@ -337,7 +336,7 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
       jax.ShapeDtypeStruct((1,), jnp.int32),              # num_post_padded
       jax.ShapeDtypeStruct((pairs * i,), jnp.bfloat16),   # act
       jax.ShapeDtypeStruct((pairs * 2 * i if split13 > 1 else 1,), jnp.float32),  # ws13
-      jax.ShapeDtypeStruct((pairs * h + h // 32,), jnp.float32),  # ws2, then decode counters
+      jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(pairs, h),), jnp.float32),  # ws2
       jax.ShapeDtypeStruct((t * h if block_m == _gpu_launch.WGMMA_BLOCK_M else 1,),
                            jnp.bfloat16),                 # x_perm
   ]

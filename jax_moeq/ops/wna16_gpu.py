@@ -345,8 +345,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
   blocks = padded // block_m
   busy_blocks = (blocks if batched else
                  min(blocks, _gpu_launch.expected_busy_blocks(rows, e, block_m)))
-  split13 = _gpu_launch.choose_split(busy_blocks, i // 16, h // 64, block_m, rows * 2 * i * 4)
-  split2 = _gpu_launch.choose_split(busy_blocks, h // 32, i // 64, block_m, 0)
+  split13, split2 = _gpu_launch.choose_gemm_splits(busy_blocks, h, i, block_m, rows)
   # act-order gathers each row's inputs in its expert's order (rows x H); the wgmma GEMM alone
   # permutes each token's inputs once (T x H; rows x H when batched).
   if weights.act_order or (batched and block_m == _gpu_launch.WGMMA_BLOCK_M):
@@ -365,8 +364,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       jax.ShapeDtypeStruct((x_perm_len,), dt),
       jax.ShapeDtypeStruct((max(rows, 1) * i,), dt),
       jax.ShapeDtypeStruct((rows * 2 * i if split13 > 1 else 1,), jnp.float32),
-      # GEMM2's f32 rows, then the one-token decode path's arrival counters (one per 32 columns)
-      jax.ShapeDtypeStruct((max(rows, 1) * h + h // 32,), jnp.float32),
+      jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(max(rows, 1), h),), jnp.float32),
   ]
   operands = [x, route_ids, route_weights, weights.w13, weights.w13_scales, weights.w13_zeros,
               weights.w13_bias, weights.w2, weights.w2_scales, weights.w2_zeros, weights.w2_bias,
