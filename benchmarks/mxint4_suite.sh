@@ -72,12 +72,15 @@ for method, kw, local, rank in ((RM.Renormalize, {}, e, 0), (RM.DeepSeekV3, dict
 y = mxint4_gpu.mxint4_moe(x, logits, *w, num_experts=e, top_k=k, intermediate_size=i,
                           local_num_experts=e, routing_method=RM.Renormalize, block_m=128)
 print("case wgmma", bool(jnp.isfinite(y.astype(jnp.float32)).all()))
-# One token (the decode path without alignment; GEMM2 finalizes), whole layer and EP rank 1 of 4.
-for local, rank in ((e, 0), (e // 4, 1)):
+# One token (the decode path without alignment; GEMM2 finalizes), whole layer, EP rank 1 of 4,
+# and DeepSeekV3's grouped routing.
+for method, kw, local, rank in ((RM.Renormalize, {}, e, 0), (RM.Renormalize, {}, e // 4, 1), (
+    RM.DeepSeekV3, dict(num_expert_group=4, topk_group=2, e_score_correction_bias=bias), e, 0)):
   y = mxint4_gpu.mxint4_moe(x[:1], logits[:1], *[a[rank * local:(rank + 1) * local] for a in w],
                             num_experts=e, top_k=k, intermediate_size=i, local_num_experts=local,
-                            ep_rank=rank, routing_method=RM.Renormalize)
-  print("case one token", local, rank, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+                            ep_rank=rank, routing_method=method, **kw)
+  print("case one token", method.name, local, rank,
+        bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
   compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$PY" /tmp/mxint4_memcheck_case.py >"$OUT/memcheck.log" 2>&1

@@ -128,9 +128,15 @@ def test_matches_reference_over_tokens(t):
                                     RM.RenormalizeNaive, RM.TopK, RM.SigmoidRenorm,
                                     RM.MiniMax2, RM.Sigmoid])
 @pytest.mark.parametrize("e", [64, 256])
-def test_every_routing_method(method, e):
-  t, h, i = 96, 256, 128
+@pytest.mark.parametrize("t", [1, 96])
+def test_every_routing_method(method, e, t):
+  """Also at T = 1, where the call takes the one-token path (no alignment; GEMM2 reads the
+  routing's local ids and weights and finalizes)."""
+  h, i = 256, 128
   k = 1 if method == RM.Llama4 else 6
+  if t == 1:
+    split13, _ = _gpu_launch.choose_gemm_splits(k, h, i, 8, k)
+    assert _gpu_launch.decodes_without_alignment(1, 8, split13)
   prepared, canon = _experts(int(method) + e, e, h, i)
   x, logits, bias = _inputs(int(method), t, e, h)
   kw = _routing_kwargs(method, e, k, bias)

@@ -84,6 +84,26 @@ inline bool DecodesWithoutAlignment(bool standard, bool act_order, int64_t token
 // Floats of GEMM2's workspace: rows x n accumulators, then one arrival counter per 32 columns.
 inline int64_t Gemm2WorkspaceFloats(int64_t rows, int64_t n) { return rows * n + n / 32; }
 
+// The one-token path's part of GEMM1's arguments: block b computes pair b of `pair_experts` and
+// the kernel clears GEMM2's workspace `ws2` (rows x n2 accumulators and the counters after them).
+inline void SetOneTokenGemm1(MoeGemmArgs& g1, const int32_t* pair_experts, int experts,
+                             float* ws2, int64_t rows, int64_t n2) {
+  g1.pair_experts = pair_experts;
+  g1.experts = experts;
+  g1.clear = ws2;
+  g1.clear_count = Gemm2WorkspaceFloats(rows, n2);
+}
+// ... and of GEMM2's (g2.ws, g2.n and g2.pair_experts set): it finalizes into `out`, counting
+// arrivals in the counters after ws's rows x n accumulators.
+inline void SetOneTokenGemm2(MoeGemmArgs& g2, int64_t rows, const float* topk_weights,
+                             const float* out_bias, void* out, int top_k) {
+  g2.arrivals = reinterpret_cast<int32_t*>(g2.ws + rows * g2.n);
+  g2.topk_weights = topk_weights;
+  g2.out_bias = out_bias;
+  g2.out = out;
+  g2.top_k = top_k;
+}
+
 // e^x and 1/x from the hardware's approximate exp2 and reciprocal (flushing subnormals): within a
 // few f32 ulps of expf and IEEE division, far below the rounding to T that follows, at a fifth
 // of the instructions (the IEEE forms made the wgmma GEMM1 epilogue ~60 instructions per
@@ -228,6 +248,28 @@ __device__ __forceinline__ void ClearWithGrid(float* dst, int64_t count) {
   }
 }
 
+// The standard format's last step for token t and column `col` of n: out[t][col] =
+// round(sum_k round((ws[t*K+k][col] + bias[e][col]) * topk_weights[t*K+k])) over the token's
+// pairs whose expert e is in [0, experts) (f32 sum in slot order, bias optional; 0 without any),
+// rounding as the reference does. Used by the finalize kernels and GEMM2's fused finalize; ws is
+// read from L2 (in the fused case other CTAs of the same kernel added into it).
+template <typename T>
+__device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32_t* pair_experts,
+                                                    int experts, const float* topk_weights,
+                                                    const float* bias, int top_k, int n, int t,
+                                                    int col, void* out) {
+  float sum = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    const int pair = t * top_k + k;
+    const int e = __ldg(pair_experts + pair);
+    if (e < 0 || e >= experts) continue;
+    float y = __ldcg(ws + static_cast<int64_t>(pair) * n + col);
+    if (bias) y += __ldg(bias + static_cast<int64_t>(e) * n + col);
+    sum += RoundTo<T>(y * __ldg(topk_weights + pair));
+  }
+  StoreHalf<T>(out, static_cast<int64_t>(t) * n + col, sum);
+}
+
 // GEMM2's fused finalize (MoeGemmArgs::arrivals): this warp has added its part of unit `unit`
 // into ws; the warp that arrives last for the unit (one arrival per block and split) reduces its
 // 32 columns over each token's pairs, as FinalizeStandardKernel does.
@@ -239,20 +281,11 @@ __device__ __forceinline__ void ArriveAndFinalize(const MoeGemmArgs& p, int unit
   if (lane == 0) ticket = atomicAdd(p.arrivals + unit, 1);
   ticket = __shfl_sync(0xffffffffu, ticket, 0);
   if (ticket != static_cast<int>(gridDim.x * gridDim.z) - 1) return;
-  __threadfence();  // and the others' adds before the reads below (from L2: __ldcg)
-  const int col = unit * 32 + lane;
+  __threadfence();  // and the others' adds before the reads (from L2)
   const int tokens = p.num_rows / p.top_k;
   for (int t = 0; t < tokens; ++t) {
-    float sum = 0.0f;
-    for (int k = 0; k < p.top_k; ++k) {
-      const int pair = t * p.top_k + k;
-      const int e = __ldg(p.pair_experts + pair);
-      if (e < 0 || e >= p.experts) continue;
-      float y = __ldcg(p.ws + static_cast<int64_t>(pair) * p.n + col);
-      if (p.out_bias) y += __ldg(p.out_bias + static_cast<int64_t>(e) * p.n + col);
-      sum += RoundTo<T>(y * __ldg(p.topk_weights + pair));  // once per pair, as the reference
-    }
-    StoreHalf<T>(p.out, static_cast<int64_t>(t) * p.n + col, sum);
+    FinalizeTokenColumn<T>(p.ws, p.pair_experts, p.experts, p.topk_weights, p.out_bias, p.top_k,
+                           p.n, t, unit * 32 + lane, p.out);
   }
 }
 

@@ -32,20 +32,15 @@ __global__ void MxInt4Finalize13Kernel(const float* ws, const int32_t* local_ids
 // out[t][n] = round(sum_k round(ws2[t*K+k][n] * w[t][k])) over this rank's
 // pairs (f32 sum in slot order); a token with none gets 0.
 __global__ void MxInt4FinalizeKernel(const float* ws, const int32_t* local_ids,
-                                     const float* topk_weights, int top_k, int hidden, int tokens,
-                                     void* out) {
+                                     int local_experts, const float* topk_weights, int top_k,
+                                     int hidden, int tokens, void* out) {
   WaitForPriorGrids();
   AllowDependentGrids();
   const int t = blockIdx.x;
   const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (t >= tokens || n >= hidden) return;
-  float sum = 0.0f;
-  for (int k = 0; k < top_k; ++k) {
-    const int pair = t * top_k + k;
-    if (local_ids[pair] < 0) continue;
-    sum += RoundTo<Bf16>(ws[static_cast<int64_t>(pair) * hidden + n] * topk_weights[pair]);
-  }
-  StoreHalf<Bf16>(out, static_cast<int64_t>(t) * hidden + n, sum);
+  FinalizeTokenColumn<Bf16>(ws, local_ids, local_experts, topk_weights, nullptr, top_k, hidden,
+                            t, n, out);
 }
 
 std::string CudaError(const char* what) {
@@ -206,12 +201,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  if (direct) {
-    g1.pair_experts = p.local_ids;
-    g1.experts = L;
-    g1.clear = p.ws2;
-    g1.clear_count = Gemm2WorkspaceFloats(rows, H);
-  }
+  if (direct) SetOneTokenGemm1(g1, p.local_ids, L, p.ws2, rows, H);
   const int gemm_blocks = direct ? rows : max_blocks;
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g1, gemm_blocks, stream);
   err = CudaError("GEMM1 kernel");
@@ -242,11 +232,8 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g2.epilogue = EpilogueKind::kF32Store;
   g2.ws = p.ws2;  // zeroed by the alignment launch when split, or by GEMM1 (direct)
   g2.clear = nullptr;
-  if (direct) {  // GEMM2 finalizes (5. below) with the counters after ws2's rows
-    g2.arrivals = reinterpret_cast<int32_t*>(p.ws2 + static_cast<int64_t>(rows) * H);
-    g2.topk_weights = p.topk_weights;
-    g2.out = p.out;
-    g2.top_k = static_cast<int>(p.top_k);
+  if (direct) {  // GEMM2 finalizes (5. below)
+    SetOneTokenGemm2(g2, rows, p.topk_weights, nullptr, p.out, static_cast<int>(p.top_k));
   }
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");
@@ -255,7 +242,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
 
   // 5. Top-k weights and reduction over k.
   const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);
-  LaunchAfterPrior(MxInt4FinalizeKernel, grid, dim3(256), 0, stream, p.ws2, p.local_ids,
+  LaunchAfterPrior(MxInt4FinalizeKernel, grid, dim3(256), 0, stream, p.ws2, p.local_ids, L,
                    p.topk_weights, static_cast<int>(p.top_k), H, static_cast<int>(p.tokens),
                    p.out);
   return CudaError("finalize kernel");

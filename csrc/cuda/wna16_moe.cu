@@ -45,16 +45,7 @@ __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
   const int t = blockIdx.y;
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= tokens || n >= hidden) return;
-  float sum = 0.0f;
-  for (int k = 0; k < top_k; ++k) {
-    const int pair = t * top_k + k;
-    const int e = topk_ids[pair];
-    if (e < 0 || e >= experts) continue;
-    float y = ws[static_cast<int64_t>(pair) * hidden + n];
-    if (bias) y += bias[static_cast<int64_t>(e) * hidden + n];
-    sum += RoundTo<T>(y * topk_weights[pair]);  // the reference rounds acc x weight once
-  }
-  StoreHalf<T>(out, static_cast<int64_t>(t) * hidden + n, sum);
+  FinalizeTokenColumn<T>(ws, topk_ids, experts, topk_weights, bias, top_k, hidden, t, n, out);
 }
 
 // Batched: out[e][m][n] = round(ws2 + b2) for m < count[e], else 0.
@@ -93,20 +84,22 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   // (DecodesWithoutAlignment) neither: each pair is its own block and GEMM1 clears ws2.
   const bool direct =
       DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m, p.split13);
-  const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
-  const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
-  const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
-  if (p.batched) {
-    const int threads = 256;
-    const int blocks = std::max(1, static_cast<int>((max_padded + threads - 1) / threads));
-    AlignBatchedKernel<<<blocks + zero_blocks, threads, 0, stream>>>(
-        p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
-        p.expert_ids, p.num_post_padded, blocks, p.ws13, zero13, p.ws2, zero2);
-  } else if (!direct) {
-    AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * E * sizeof(int32_t), stream>>>(
-        p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
-        static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13,
-        zero13, p.ws2, zero2);
+  if (!direct) {  // (the batched format never takes the one-token path)
+    const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
+    const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
+    const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
+    if (p.batched) {
+      const int threads = 256;
+      const int blocks = std::max(1, static_cast<int>((max_padded + threads - 1) / threads));
+      AlignBatchedKernel<<<blocks + zero_blocks, threads, 0, stream>>>(
+          p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
+          p.expert_ids, p.num_post_padded, blocks, p.ws13, zero13, p.ws2, zero2);
+    } else {
+      AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * E * sizeof(int32_t), stream>>>(
+          p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
+          static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13,
+          zero13, p.ws2, zero2);
+    }
   }
   std::string err = CudaError("alignment kernel");
   if (!err.empty()) return err;
@@ -164,12 +157,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  if (direct) {
-    g1.pair_experts = p.topk_ids;
-    g1.experts = E;
-    g1.clear = p.ws2;
-    g1.clear_count = Gemm2WorkspaceFloats(rows, H);
-  }
+  if (direct) SetOneTokenGemm1(g1, p.topk_ids, E, p.ws2, rows, H);
   const int gemm_blocks = static_cast<int>(direct ? rows : max_blocks);
   LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g1, gemm_blocks, stream);
   err = CudaError("GEMM1 kernel");
@@ -206,12 +194,8 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g2.act_col = nullptr;
   g2.clear = nullptr;
   const float* b2 = p.has_bias ? p.b2 : nullptr;
-  if (direct) {  // GEMM2 finalizes (5. below) with the counters after ws2's rows
-    g2.arrivals = reinterpret_cast<int32_t*>(p.ws2 + rows * H);
-    g2.topk_weights = p.topk_weights;
-    g2.out_bias = b2;
-    g2.out = p.out;
-    g2.top_k = static_cast<int>(p.top_k);
+  if (direct) {  // GEMM2 finalizes (5. below)
+    SetOneTokenGemm2(g2, rows, p.topk_weights, b2, p.out, static_cast<int>(p.top_k));
   }
   LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");

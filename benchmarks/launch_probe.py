@@ -1,0 +1,100 @@
+"""Probe of the launch choices in _gpu_launch: times one op at one shape and T under forced
+split-K factors (GEMM1, GEMM2), the variants alternating in rounds within one process so they
+share the machine's state. An experiment, not a benchmark: it replaces choose_gemm_splits while
+each variant traces. A variant is "s13.s2", or "auto" (the library's choice).
+  python3 benchmarks/launch_probe.py wna16 Mixtral-8x7B 1 1.7 1.8
+  python3 benchmarks/launch_probe.py mxint4 Mixtral-8x7B 1 auto
+
+Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
+call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
+(host dispatch included, as split_probe measured before).
+"""
+
+import contextlib
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from jax_moeq.ops import _gpu_launch, mxint4_gpu, wna16_gpu  # noqa: E402
+import gpu_moe_bench  # noqa: E402
+import mxint4_bench  # noqa: E402
+
+ROUNDS = 5
+SETS = 8
+
+
+def make_op(op: str, name: str, t: int):
+  """(traceable fn(x, weights, stacked routing), its args, per-call body, per-call args list).
+  Weights and inputs are arguments, never closed over: a jit would embed them as constants."""
+  x = None
+  if op == "wna16":
+    e, k, h, i = gpu_moe_bench.SHAPES[name]
+    weights = gpu_moe_bench.random_weights(jax.random.PRNGKey(0), e, h, i)
+    x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
+    sets = gpu_moe_bench.routing_sets(t, t, e, k)
+    ids = jnp.stack([jnp.asarray(s[0]) for s in sets])
+    w = jnp.stack([jnp.asarray(s[1]) for s in sets])
+    one = lambda x, weights, w, ids: wna16_gpu.fused_marlin_moe(x, weights, w, ids)
+    multi = lambda x, weights, w, ids: [one(x, weights, w[j], ids[j]) for j in range(SETS)]
+    return multi, (x, weights, w, ids), one, [(x, weights, w[j], ids[j]) for j in range(SETS)]
+  e, k, h, i = mxint4_bench.SHAPES[name]
+  prepared = mxint4_bench.random_prepared(jax.random.PRNGKey(0), e, h, i)
+  weights = [prepared[n] for n in mxint4_gpu.WEIGHT_KEYS]
+  x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
+  logits = jnp.stack([jax.random.normal(jax.random.PRNGKey(10 + s), (t, e), jnp.float32)
+                      for s in range(SETS)])
+  one = lambda x, logits, *weights: mxint4_gpu.mxint4_moe(
+      x, logits, *weights, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e)
+  multi = lambda x, logits, *weights: [one(x, logits[j], *weights) for j in range(SETS)]
+  return multi, (x, logits, *weights), one, [(x, logits[j], *weights) for j in range(SETS)]
+
+
+def parse_variant(text: str):
+  return None if text == "auto" else tuple(int(v) for v in text.split("."))
+
+
+@contextlib.contextmanager
+def forced(splits):
+  """The variant's split factors in force (jax.jit traces at a function's first call)."""
+  saved = _gpu_launch.choose_gemm_splits
+  try:
+    if splits is not None:
+      _gpu_launch.choose_gemm_splits = lambda *args, **kwargs: splits
+    yield
+  finally:
+    _gpu_launch.choose_gemm_splits = saved
+
+
+def main():
+  op, name, t = sys.argv[1], sys.argv[2], int(sys.argv[3])
+  labels = sys.argv[4:]
+  multi, multi_args, one, one_args = make_op(op, name, t)
+  graph, single = {}, {}
+  for label in labels:
+    # New function objects, traced and compiled while the variant's choices are in force.
+    graph[label] = jax.jit(lambda *a: multi(*a))
+    single[label] = jax.jit(lambda *a: one(*a))
+    with forced(parse_variant(label)):
+      jax.block_until_ready(graph[label](*multi_args))
+      jax.block_until_ready(single[label](*one_args[0]))
+  times = {(label, how): [] for label in labels for how in ("graph", "dispatch")}
+  for r in range(ROUNDS):
+    for label in labels:
+      times[(label, "graph")].append(
+          gpu_moe_bench.time_calls(graph[label], [multi_args], min_time=0.1, reps=3) / SETS)
+      times[(label, "dispatch")].append(
+          gpu_moe_bench.time_calls(single[label], one_args, min_time=0.1, reps=3))
+    print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
+  for label in labels:
+    print(f"{op} {name} T={t} {label}: graph {statistics.median(times[(label, 'graph')]) * 1e6:.1f}"
+          f" us, dispatch {statistics.median(times[(label, 'dispatch')]) * 1e6:.1f} us "
+          f"(medians of {ROUNDS} rounds)", flush=True)
+
+
+if __name__ == "__main__":
+  main()
