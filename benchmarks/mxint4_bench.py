@@ -1,6 +1,7 @@
 """GPU MxInt4 fused MoE benchmark (SPEC §10 GPU shapes), in the format of gpu_moe_bench.py.
 
-Per (shape, T): median time of the whole MoE layer with routing INCLUDED in the timed call
+Per (shape, T): median time of the whole MoE layer with routing INCLUDED in the timed call, 8
+layers (logit sets) in one jitted executable as in gpu_moe_bench.py, and one dispatch per layer
 (router logits in, Renormalize top-k on the GPU), effective bandwidth on the weight bytes of the
 experts hit (int4 weights plus their bf16 scales per 32), TFLOP/s (2·T·K·3·H·I), and ratios vs
 jax.lax.ragged_dot bf16 (routing by jax.lax.top_k inside the same jit) and torch._grouped_mm
@@ -58,19 +59,6 @@ def logit_sets(seed, t, e, k):
   return sets
 
 
-def scanned_time(ours, x, logits_list, weights, repeats=4):
-  """Per-call seconds of `ours` run back to back inside one jit (lax.scan over the logit
-  sets, `repeats` times): the GPU time without per-call host dispatch."""
-  stacked = jnp.stack([l for (l,) in logits_list] * repeats)
-
-  def body(carry, logits):
-    out = ours(x, logits, *weights)
-    return carry + out[0, 0].astype(jnp.float32), None
-
-  scanned = jax.jit(lambda st: jax.lax.scan(body, jnp.float32(0), st)[0])
-  return peers.time_calls(scanned, [(stacked,)], min_time=0.2) / stacked.shape[0]
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="T in {1, 64, 4096} only")
@@ -108,28 +96,34 @@ def main():
     w13_bf = jax.random.normal(kw[0], (e, h, 2 * i), jnp.bfloat16) * 0.02
     w2_bf = jax.random.normal(kw[1], (e, i, h), jnp.bfloat16) * 0.02
     bytes_per_expert = 3 * h * i // 2 + 2 * (2 * i * (h // 32) + h * (i // 32))  # + bf16 scales
-    ours = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(
-        x, l, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
-        routing_method=RoutingMethodType.Renormalize))
-    alt = jax.jit(lambda x, l, *w: mxint4_gpu.mxint4_moe(  # the alternative launch
-        x, l, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
-        routing_method=RoutingMethodType.Renormalize, **alt_kw))
+
+    def moe(x, logits, *w, **kw):
+      return mxint4_gpu.mxint4_moe(x, logits, *w, num_experts=e, top_k=k, intermediate_size=i,
+                                   local_num_experts=e,
+                                   routing_method=RoutingMethodType.Renormalize, **kw)
 
     def ragged_routed(x, logits, w13, w2):
       chosen, ids = jax.lax.top_k(logits, k)
       return peers.ragged_moe(x, ids, jax.nn.softmax(chosen, axis=-1), w13, w2)
 
+    # In-graph time: the logit sets' layers in one executable (as inside a model, where XLA
+    # launches back to back); the single-dispatch time includes host overhead.
+    ours = jax.jit(moe)
+    ours_multi = jax.jit(lambda x, ls, *w: [moe(x, ls[j], *w) for j in range(LOGIT_SETS)])
+    alt_multi = jax.jit(lambda x, ls, *w: [moe(x, ls[j], *w, **alt_kw)  # the alternative launch
+                                           for j in range(LOGIT_SETS)])
     ragged = jax.jit(ragged_routed)
     for t in tokens:
       sets = logit_sets(t, t, e, k)
       x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
       dlogits = [(jnp.asarray(l),) for l, _, _ in sets]
+      stacked = jnp.stack([l for (l,) in dlogits])
       experts_hit = statistics.mean(len(np.unique(ids)) for _, ids, _ in sets)
-      t_ours = peers.time_calls(lambda l: ours(x, l, *weights), dlogits)
-      t_gpu = scanned_time(ours, x, dlogits, weights)
-      t_alt = peers.time_calls(lambda l: alt(x, l, *weights), dlogits)
-      t_ragged = None if args.no_peers else peers.time_calls(
-          lambda l: ragged(x, l, w13_bf, w2_bf), dlogits, min_time=0.1, reps=3)
+      t_ours = peers.time_calls(lambda ls: ours_multi(x, ls, *weights), [(stacked,)]
+                                ) / LOGIT_SETS
+      t_ours_1 = peers.time_calls(lambda l: ours(x, l, *weights), dlogits)
+      t_alt = peers.time_calls(lambda ls: alt_multi(x, ls, *weights), [(stacked,)]) / LOGIT_SETS
+      t_ragged = None if args.no_peers else peers.ragged_time(ragged, x, dlogits, w13_bf, w2_bf)
       t_torch = None
       if have_torch:
         try:
@@ -138,7 +132,7 @@ def main():
           print(f"torch._grouped_mm failed at {name} T={t}: {err}", flush=True)
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
-      row = dict(shape=name, T=t, us=t_ours * 1e6, gpu_us=t_gpu * 1e6,
+      row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
                  alt=alt_name, alt_us=t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
@@ -155,13 +149,14 @@ def main():
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
   print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
-  print("us: per call, back-to-back jitted calls (as the peers); gpu us: per call inside one "
-        f"jitted lax.scan (no host dispatch); alt us: as us, {alt_name}; TB/s, %HBM, TFLOP/s from us")
-  print(f"{'shape':18} {'T':>5} {'us':>9} {'gpu us':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
+  print(f"us: per layer, {LOGIT_SETS} layers in one jit (logit sets rotate); us1: one jit dispatch "
+        f"per call; alt us: as us, {alt_name}; ragged us: one dispatch per layer (see "
+        "gpu_moe_bench.ragged_time); TB/s, %HBM, TFLOP/s from us")
+  print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   for r in rows:
-    print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['gpu_us']:8.1f} "
+    print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} "
           f"{r['alt_us']:8.1f} {r['tbps']:6.2f} "
           f"{100 * r['hbm_frac']:5.0f} {r['tflops']:8.1f} {fmt(r['ragged_us'], '.1f'):>10} "
           f"{fmt(r['x_ragged'], '.1f'):>8} {fmt(r['torch_us'], '.1f'):>9} "
