@@ -1,9 +1,9 @@
 """GPU WNA16 fused MoE benchmark (SPEC §10 GPU shapes): our kernel vs jax.lax.ragged_dot bf16
 and torch._grouped_mm bf16 (when torch imports), measured in the same run.
 
-Per (shape, T): median time of the whole MoE layer (routing ids given; 8 layers with different
-routing in one jitted executable, and separately one dispatch per layer; ragged_dot one dispatch
-per layer, see ragged_time), effective bandwidth on
+Per (shape, T): median time of the whole MoE layer (routing ids given; 8 layers, each with its
+own weights and routing, in one jitted executable, and separately one dispatch per layer;
+ragged_dot one dispatch per layer, see ragged_time), effective bandwidth on
 the int4 weight bytes of the experts hit (scales excluded), TFLOP/s (2·T·K·3·H·I), and ratios.
 Routing is rotated over several random sets so that repeated calls do not replay one L2-resident
 set of experts. Run: python3 benchmarks/gpu_moe_bench.py [--quick] [--json PATH]
@@ -51,6 +51,11 @@ def random_weights(key, e, h, i, dtype=jnp.bfloat16):
       w2_zeros=ph(dtype), w2_bias=ph(jnp.float32), w13_perm=ph(jnp.int32),
       w2_inv_perm=ph(jnp.int32), hidden_size=h, intermediate_size=i, group_size13=GROUP,
       group_size2=GROUP, has_zeros=False, has_bias=False, act_order=False)
+
+
+def layer_weights(make, layers=ROUTING_SETS):
+  """`layers` weight sets from make(key), one per layer timed in one executable."""
+  return [make(jax.random.fold_in(jax.random.PRNGKey(0), j)) for j in range(layers)]
 
 
 def routing_sets(seed, t, e, k):
@@ -189,17 +194,19 @@ def main():
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]
-    weights = random_weights(jax.random.PRNGKey(0), e, h, i)
+    # Each of the 8 layers timed together has weights of its own, as in a model: with one set a
+    # layer could find the previous layer's experts in L2 (19 MB of Qwen3 experts at T=1 fit).
+    layers = layer_weights(lambda key: random_weights(key, e, h, i))
     kw = jax.random.split(jax.random.PRNGKey(1))
     w13_bf = (jax.random.normal(kw[0], (e, h, 2 * i), jnp.bfloat16) * 0.02)
     w2_bf = (jax.random.normal(kw[1], (e, i, h), jnp.bfloat16) * 0.02)
     bytes_per_expert = (2 * i * h + i * h) // 2
     ours = jax.jit(wna16_gpu.fused_marlin_moe)
-    ours_multi = jax.jit(lambda x, wt, ids, w: [wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j])
-                                                for j in range(ROUTING_SETS)])
+    ours_multi = jax.jit(lambda x, wts, ids, w: [
+        wna16_gpu.fused_marlin_moe(x, wts[j], w[j], ids[j]) for j in range(ROUTING_SETS)])
     # Another launch (--alt-block-m or --alt-mainloop), timed beside the default.
-    alt_multi = jax.jit(lambda x, wt, ids, w: [
-        wna16_gpu.fused_marlin_moe(x, wt, w[j], ids[j], **alt_kw)
+    alt_multi = jax.jit(lambda x, wts, ids, w: [
+        wna16_gpu.fused_marlin_moe(x, wts[j], w[j], ids[j], **alt_kw)
         for j in range(ROUTING_SETS)])
     ragged = jax.jit(ragged_moe)
     for t in tokens:
@@ -211,10 +218,11 @@ def main():
       # XLA launches back to back); the single-dispatch time includes host overhead.
       ids_stack = jnp.stack([d[0] for d in dsets])
       w_stack = jnp.stack([d[1] for d in dsets])
-      t_ours = time_calls(lambda a, b: ours_multi(x, weights, a, b), [(ids_stack, w_stack)]
+      t_ours = time_calls(lambda a, b: ours_multi(x, layers, a, b), [(ids_stack, w_stack)]
                           ) / ROUTING_SETS
-      t_ours_1 = time_calls(lambda ids, w: ours(x, weights, w, ids), dsets)
-      t_alt = time_calls(lambda a, b: alt_multi(x, weights, a, b), [(ids_stack, w_stack)]
+      t_ours_1 = time_calls(lambda ids, w, wts: ours(x, wts, w, ids),
+                            [(ids, w, layers[j]) for j, (ids, w) in enumerate(dsets)])
+      t_alt = time_calls(lambda a, b: alt_multi(x, layers, a, b), [(ids_stack, w_stack)]
                           ) / ROUTING_SETS
       t_ragged = ragged_time(ragged, x, dsets, w13_bf, w2_bf)
       t_torch = None
@@ -235,12 +243,12 @@ def main():
                  x_torch=None if t_torch is None else t_torch / t_ours)
       rows.append(row)
       print(json.dumps(row), flush=True)
-    del weights, w13_bf, w2_bf
+    del layers, w13_bf, w2_bf
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
-  print("us: per layer, 8 layers in one jit (routing sets rotate); us1: one jit dispatch per call;"
+  print("us: per layer, 8 layers (own weights and routing) in one jit; us1: one jit dispatch per call;"
         f" alt us: as us, {alt_name}; ragged us: one dispatch per layer (see ragged_time)")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
         f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")

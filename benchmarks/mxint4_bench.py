@@ -1,7 +1,8 @@
 """GPU MxInt4 fused MoE benchmark (SPEC §10 GPU shapes), in the format of gpu_moe_bench.py.
 
 Per (shape, T): median time of the whole MoE layer with routing INCLUDED in the timed call, 8
-layers (logit sets) in one jitted executable as in gpu_moe_bench.py, and one dispatch per layer
+layers (each with its own weights and logits) in one jitted executable as in gpu_moe_bench.py, and
+one dispatch per layer
 (router logits in, Renormalize top-k on the GPU), effective bandwidth on the weight bytes of the
 experts hit (int4 weights plus their bf16 scales per 32), TFLOP/s (2·T·K·3·H·I), and ratios vs
 jax.lax.ragged_dot bf16 (routing by jax.lax.top_k inside the same jit) and torch._grouped_mm
@@ -90,8 +91,9 @@ def main():
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]
-    prepared = random_prepared(jax.random.PRNGKey(0), e, h, i)
-    weights = [prepared[n] for n in mxint4_gpu.WEIGHT_KEYS]
+    # One weight set per layer timed together, as in a model (gpu_moe_bench.layer_weights).
+    layers = peers.layer_weights(lambda key: [random_prepared(key, e, h, i)[n]
+                                              for n in mxint4_gpu.WEIGHT_KEYS], LOGIT_SETS)
     kw = jax.random.split(jax.random.PRNGKey(1))
     w13_bf = jax.random.normal(kw[0], (e, h, 2 * i), jnp.bfloat16) * 0.02
     w2_bf = jax.random.normal(kw[1], (e, i, h), jnp.bfloat16) * 0.02
@@ -109,9 +111,9 @@ def main():
     # In-graph time: the logit sets' layers in one executable (as inside a model, where XLA
     # launches back to back); the single-dispatch time includes host overhead.
     ours = jax.jit(moe)
-    ours_multi = jax.jit(lambda x, ls, *w: [moe(x, ls[j], *w) for j in range(LOGIT_SETS)])
-    alt_multi = jax.jit(lambda x, ls, *w: [moe(x, ls[j], *w, **alt_kw)  # the alternative launch
-                                           for j in range(LOGIT_SETS)])
+    ours_multi = jax.jit(lambda x, ls, wts: [moe(x, ls[j], *wts[j]) for j in range(LOGIT_SETS)])
+    alt_multi = jax.jit(lambda x, ls, wts: [moe(x, ls[j], *wts[j], **alt_kw)  # the alternative
+                                            for j in range(LOGIT_SETS)])
     ragged = jax.jit(ragged_routed)
     for t in tokens:
       sets = logit_sets(t, t, e, k)
@@ -119,10 +121,10 @@ def main():
       dlogits = [(jnp.asarray(l),) for l, _, _ in sets]
       stacked = jnp.stack([l for (l,) in dlogits])
       experts_hit = statistics.mean(len(np.unique(ids)) for _, ids, _ in sets)
-      t_ours = peers.time_calls(lambda ls: ours_multi(x, ls, *weights), [(stacked,)]
-                                ) / LOGIT_SETS
-      t_ours_1 = peers.time_calls(lambda l: ours(x, l, *weights), dlogits)
-      t_alt = peers.time_calls(lambda ls: alt_multi(x, ls, *weights), [(stacked,)]) / LOGIT_SETS
+      t_ours = peers.time_calls(lambda ls: ours_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
+      t_ours_1 = peers.time_calls(lambda l, wts: ours(x, l, *wts),
+                                  [(l, layers[j]) for j, (l,) in enumerate(dlogits)])
+      t_alt = peers.time_calls(lambda ls: alt_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
       t_ragged = None if args.no_peers else peers.ragged_time(ragged, x, dlogits, w13_bf, w2_bf)
       t_torch = None
       if have_torch:
@@ -143,13 +145,13 @@ def main():
                  x_torch=None if t_torch is None else t_torch / t_ours)
       rows.append(row)
       print(json.dumps(row), flush=True)
-    del prepared, weights, w13_bf, w2_bf
+    del layers, w13_bf, w2_bf
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
   print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
-  print(f"us: per layer, {LOGIT_SETS} layers in one jit (logit sets rotate); us1: one jit dispatch "
+  print(f"us: per layer, {LOGIT_SETS} layers (own weights and logits) in one jit; us1: one jit dispatch "
         f"per call; alt us: as us, {alt_name}; ragged us: one dispatch per layer (see "
         "gpu_moe_bench.ragged_time); TB/s, %HBM, TFLOP/s from us")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
