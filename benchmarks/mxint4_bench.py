@@ -1,13 +1,12 @@
 """GPU MxInt4 fused MoE benchmark (SPEC §10 GPU shapes), in the format of gpu_moe_bench.py.
 
-Per (shape, T): median time of the whole MoE layer with routing INCLUDED in the timed call, 8
-layers (each with its own weights and logits) in one jitted executable as in gpu_moe_bench.py, and
-one dispatch per layer
-(router logits in, Renormalize top-k on the GPU), effective bandwidth on the weight bytes of the
-experts hit (int4 weights plus their bf16 scales per 32), TFLOP/s (2·T·K·3·H·I), and ratios vs
-jax.lax.ragged_dot bf16 (routing by jax.lax.top_k inside the same jit) and torch._grouped_mm
-bf16 (ids given, when torch imports), measured in the same run. Logits rotate over several
-random sets so that repeated calls do not replay one L2-resident set of experts.
+Per (shape, T): median time of the whole MoE layer with routing INCLUDED in the timed call
+(router logits in, Renormalize top-k on the GPU): 8 layers, each with its own weights and
+logits, in one jitted executable as in gpu_moe_bench.py, and one dispatch per layer. Effective
+bandwidth on the weight bytes of the experts hit (int4 weights plus their bf16 scales per 32),
+TFLOP/s (2·T·K·3·H·I), and ratios vs jax.lax.ragged_dot bf16 (routing by jax.lax.top_k inside
+the same jit, one dispatch per layer) and torch._grouped_mm bf16 (ids given, when torch
+imports), measured in the same run.
 Run: python3 benchmarks/mxint4_bench.py [--quick] [--json PATH]
 """
 
