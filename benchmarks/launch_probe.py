@@ -25,33 +25,36 @@ import gpu_moe_bench  # noqa: E402
 import mxint4_bench  # noqa: E402
 
 ROUNDS = 5
-SETS = 8
+SETS = gpu_moe_bench.ROUTING_SETS
 
 
 def make_op(op: str, name: str, t: int):
-  """(traceable fn(x, weights, stacked routing), its args, per-call body, per-call args list).
-  Weights and inputs are arguments, never closed over: a jit would embed them as constants."""
-  x = None
+  """(traceable fn(x, per-layer weights, stacked routing), its args, per-call body, per-call args
+  list). Each of the SETS layers has its own weights (gpu_moe_bench.layer_weights), as in the
+  benchmarks. Weights and inputs are arguments, never closed over: a jit would embed them as
+  constants."""
   if op == "wna16":
     e, k, h, i = gpu_moe_bench.SHAPES[name]
-    weights = gpu_moe_bench.random_weights(jax.random.PRNGKey(0), e, h, i)
+    layers = gpu_moe_bench.layer_weights(
+        lambda key: gpu_moe_bench.random_weights(key, e, h, i), SETS)
     x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
     sets = gpu_moe_bench.routing_sets(t, t, e, k)
     ids = jnp.stack([jnp.asarray(s[0]) for s in sets])
     w = jnp.stack([jnp.asarray(s[1]) for s in sets])
     one = lambda x, weights, w, ids: wna16_gpu.fused_marlin_moe(x, weights, w, ids)
-    multi = lambda x, weights, w, ids: [one(x, weights, w[j], ids[j]) for j in range(SETS)]
-    return multi, (x, weights, w, ids), one, [(x, weights, w[j], ids[j]) for j in range(SETS)]
+    multi = lambda x, wts, w, ids: [one(x, wts[j], w[j], ids[j]) for j in range(SETS)]
+    return multi, (x, layers, w, ids), one, [(x, layers[j], w[j], ids[j]) for j in range(SETS)]
   e, k, h, i = mxint4_bench.SHAPES[name]
-  prepared = mxint4_bench.random_prepared(jax.random.PRNGKey(0), e, h, i)
-  weights = [prepared[n] for n in mxint4_gpu.WEIGHT_KEYS]
+  layers = gpu_moe_bench.layer_weights(
+      lambda key: [mxint4_bench.random_prepared(key, e, h, i)[n] for n in mxint4_gpu.WEIGHT_KEYS],
+      SETS)
   x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
   logits = jnp.stack([jax.random.normal(jax.random.PRNGKey(10 + s), (t, e), jnp.float32)
                       for s in range(SETS)])
   one = lambda x, logits, *weights: mxint4_gpu.mxint4_moe(
       x, logits, *weights, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e)
-  multi = lambda x, logits, *weights: [one(x, logits[j], *weights) for j in range(SETS)]
-  return multi, (x, logits, *weights), one, [(x, logits[j], *weights) for j in range(SETS)]
+  multi = lambda x, logits, wts: [one(x, logits[j], *wts[j]) for j in range(SETS)]
+  return multi, (x, logits, layers), one, [(x, logits[j], *layers[j]) for j in range(SETS)]
 
 
 def parse_variant(text: str):
