@@ -67,6 +67,18 @@ x1 = jax.random.normal(kq[4], (1, h)).astype(jnp.bfloat16)
 for ids in ([[1, 6]], [[3, 99]]):
   y = wna16_gpu.fused_marlin_moe(x1, w, jnp.full((1, k), 0.5), jnp.array(ids, jnp.int32))
   print("case one token", ids, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+# One token with GEMM1 split (H = 2048: 8 ways; ws13's memset and GEMM1's fused activation).
+hs = 2048
+q13s = jax.random.randint(kq[5], (e, 2 * i, hs), -8, 8).astype(jnp.int8)
+q2s = jax.random.randint(kq[5], (e, hs, i), -8, 8).astype(jnp.int8)
+ws = wna16_gpu.convert_to_wna16_moe_kernel_format(
+    "MARLIN", int4.pack_uint4b8_gptq(q13s), int4.pack_uint4b8_gptq(q2s),
+    jnp.full((e, hs // 64, 2 * i), 0.01, jnp.bfloat16), jnp.full((e, i // 64, hs), 0.01, jnp.bfloat16),
+    group_size=64)
+xs = jax.random.normal(kq[4], (1, hs)).astype(jnp.bfloat16)
+for ids in ([[1, 6]], [[3, 99]]):
+  y = wna16_gpu.fused_marlin_moe(xs, ws, jnp.full((1, k), 0.5), jnp.array(ids, jnp.int32))
+  print("case one token, GEMM1 split", ids, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
   # Platform allocator: each buffer its own cudaMalloc, so overruns are visible.
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -81,6 +81,20 @@ for method, kw, local, rank in ((RM.Renormalize, {}, e, 0), (RM.Renormalize, {},
                             ep_rank=rank, routing_method=method, **kw)
   print("case one token", method.name, local, rank,
         bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+# One token with GEMM1 split (H = 2048: 8 ways; ws13's memset and GEMM1's fused activation).
+hs = 2048
+ps = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+    mxint4_gpu.int8_to_signed_nibbles(jax.random.randint(kq[5], (e, 2 * i, hs), -8, 8).astype(jnp.int8)),
+    jnp.full((e, 2 * i, hs // 32), 0.01, jnp.bfloat16),
+    mxint4_gpu.int8_to_signed_nibbles(jax.random.randint(kq[5], (e, hs, i), -8, 8).astype(jnp.int8)),
+    jnp.full((e, hs, i // 32), 0.01, jnp.bfloat16))
+wsplit = [ps[n] for n in mxint4_gpu.WEIGHT_KEYS]
+xs = jax.random.normal(kq[2], (1, hs)).astype(jnp.bfloat16)
+for local, rank in ((e, 0), (e // 4, 1)):
+  y = mxint4_gpu.mxint4_moe(xs, logits[:1], *[a[rank * local:(rank + 1) * local] for a in wsplit],
+                            num_experts=e, top_k=k, intermediate_size=i, local_num_experts=local,
+                            ep_rank=rank, routing_method=RM.Renormalize)
+  print("case one token, GEMM1 split", local, rank, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
   compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$PY" /tmp/mxint4_memcheck_case.py >"$OUT/memcheck.log" 2>&1

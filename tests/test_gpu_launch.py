@@ -177,3 +177,39 @@ def test_gemm_splits_and_ws2_scratch_of_a_one_token_call():
       lambda x, ids: wna16_gpu.fused_marlin_moe(x, w, jnp.full((1, k), 0.5), ids),
       jnp.ones((1, h), jnp.bfloat16), jnp.zeros((1, k), jnp.int32))
   assert shapes[7] == str(launch.gemm2_workspace_floats(k, h)) == str(k * h + h // 32)
+
+
+@pytest.mark.parametrize("t,ws13_len", [
+    (1, 8 * 2 * 512 + 8 * (512 // 16)),  # one token, GEMM1 split: accumulators, then counters
+    (2, 16 * 2 * 512),                   # two tokens (aligned path), GEMM1 split: accumulators
+])
+def test_ws13_scratch_of_a_split_gemm1(t, ws13_len):
+  """The ws13 scratch a WNA16 and an MxInt4 call ask for when GEMM1 splits K (top-8, H 2048, as
+  Qwen3-30B-A3B; 16 experts keep the weights small, the launch only sees the 8 busy ones): on the
+  one-token path it also holds one arrival counter per pair and 16 activation columns
+  (Gemm1WorkspaceFloats; the FFI handlers check the length)."""
+  from jax_moeq import _ffi
+  from jax_moeq.ops import mxint4_gpu, wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  e, h, i, k = 16, 2048, 512, 8
+  split13, _ = launch.choose_gemm_splits(launch.expected_busy_blocks(t * k, e, 8), h, i, 8, t * k)
+  assert split13 > 1
+  assert launch.decodes_without_alignment(t, 8) == (t == 1)
+  assert launch.gemm1_workspace_floats(t * k, i, split13, t == 1) == ws13_len
+  w = _wna16_weights(e, h, i, False)
+  shapes = _ffi_result_shapes(
+      lambda x, ids: wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.125), ids),
+      jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32))
+  assert shapes[6] == str(ws13_len)  # out, sorted_ids, expert_ids, num_post_padded, x_perm, act
+  q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
+  q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
+  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+      q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
+      q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
+  shapes = _ffi_result_shapes(
+      lambda x, logits: mxint4_gpu.mxint4_moe(
+          x, logits, *[p[n] for n in mxint4_gpu.WEIGHT_KEYS], num_experts=e, top_k=k,
+          intermediate_size=i, local_num_experts=e),
+      jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, e), jnp.float32))
+  assert shapes[8] == str(ws13_len)  # out, ids, weights, local ids, sorted, blocks, padded, act

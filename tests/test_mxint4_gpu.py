@@ -135,8 +135,7 @@ def test_every_routing_method(method, e, t):
   h, i = 256, 128
   k = 1 if method == RM.Llama4 else 6
   if t == 1:
-    split13, _ = _gpu_launch.choose_gemm_splits(k, h, i, 8, k)
-    assert _gpu_launch.decodes_without_alignment(1, 8, split13)
+    assert _gpu_launch.decodes_without_alignment(1, 8)
   prepared, canon = _experts(int(method) + e, e, h, i)
   x, logits, bias = _inputs(int(method), t, e, h)
   kw = _routing_kwargs(method, e, k, bias)
@@ -228,16 +227,19 @@ def test_wgmma_prefill(name, e, k, h, i, t):
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 @pytest.mark.parametrize("mainloop", ["registers", "async_ring"])
-def test_one_token_decode_path(ranks, mainloop):
-  """T = 1 with GEMM1 unsplit (H = 256: 4 chunks) takes the decode path without alignment
-  (_gpu_launch.decodes_without_alignment): each pair its own block, GEMM2 (split, I = 1024)
-  finalizes. Under expert parallelism a rank's foreign pairs are blocks that compute nothing
-  but still count; a rank may hold none of the token's experts (output 0). Against the
-  reference per rank, the ranks' sum against the full layer, and the aligned path (block_m 16)."""
-  e, k, h, i = 16, 4, 256, 1024
+@pytest.mark.parametrize("h", [256, 2048])
+def test_one_token_decode_path(ranks, mainloop, h):
+  """T = 1 takes the decode path without alignment (_gpu_launch.decodes_without_alignment): each
+  pair its own block, GEMM2 (split, I = 1024) finalizes. H = 256 (4 chunks) keeps GEMM1 unsplit;
+  H = 2048 splits it 8 ways, and its last split per 16 columns applies the activation. Under
+  expert parallelism a rank's foreign pairs are blocks that compute nothing but still count; a
+  rank may hold none of the token's experts (output 0). Against the reference per rank, the
+  ranks' sum against the full layer, and the aligned path (block_m 16)."""
+  e, k, i = 16, 4, 1024
   local = e // ranks
   split13, _ = _gpu_launch.choose_gemm_splits(min(local, k), h, i, 8, k)
-  assert _gpu_launch.decodes_without_alignment(1, 8, split13)
+  assert _gpu_launch.decodes_without_alignment(1, 8)
+  assert (split13 > 1) == (h == 2048)
   prepared, canon = _experts(40 + ranks, e, h, i)
   x, logits, _ = _inputs(40 + ranks, 1, e, h)
   full, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
@@ -255,7 +257,7 @@ def test_one_token_decode_path(ranks, mainloop):
       assert _rel(part, ref) <= TOL
     total = total + part.astype(jnp.float32)
   assert _rel(total, full) <= TOL  # each rank rounds its partial sum to bf16 once
-  if ranks == 1:  # same products as the aligned path; GEMM2's f32 atomics add in another order
+  if ranks == 1:  # same products as the aligned path; the f32 atomics add in another order
     assert _rel(total, full) <= 2.0**-8
 
 

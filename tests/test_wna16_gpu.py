@@ -335,12 +335,17 @@ def test_batched_vs_reference(case):
 
 # The one-token decode path (_gpu_launch.decodes_without_alignment): each pair its own block, GEMM1
 # clears GEMM2's workspace, GEMM2's last warp per 32 columns finalizes. H = 256 (4 chunks) keeps
-# GEMM1 unsplit, which the path needs; I = 2048 / 1024 split GEMM2 (f32 atomics), I = 256 does not.
+# GEMM1 unsplit; I = 2048 / 1024 split GEMM2 (f32 atomics), I = 256 does not. H = 2048 / 1024
+# split GEMM1 (8 and 4 ways; the Qwen3-30B-A3B shape splits 4 ways): a memset clears ws13 and
+# GEMM1's last split per 16 columns applies bias and activation.
 # (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation)
 ONE_TOKEN_CASES = [
     (1, 8, 2, 256, 2048, 128, jnp.bfloat16, False, False, True, 0),
     (1, 64, 8, 256, 1024, 64, jnp.float16, False, True, False, 1),
     (1, 8, 1, 256, 256, 32, jnp.bfloat16, False, False, True, 2),
+    (1, 64, 8, 2048, 256, 128, jnp.bfloat16, False, False, True, 0),
+    (1, 128, 8, 1024, 512, 64, jnp.float16, False, True, True, 1),
+    (1, 128, 8, 2048, 768, 128, jnp.bfloat16, False, False, False, 0),
 ]
 
 
@@ -350,11 +355,13 @@ def test_one_token_decode_path(case):
   t, e, k, h, i = case[:5]
   busy = _gpu_launch.expected_busy_blocks(t * k, e, 8)
   split13, _ = _gpu_launch.choose_gemm_splits(busy, h, i, 8, t * k)
-  assert _gpu_launch.decodes_without_alignment(t, 8, split13)
+  assert _gpu_launch.decodes_without_alignment(t, 8)
+  assert (split13 > 1) == (h >= 1024)  # the cases above cover both GEMM1 forms
   got, want, (x, weights, topk_w, topk_ids) = _run_case(case)
   assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
-  # The aligned path (block_m 16) on the same inputs: same products; only GEMM2's split-K adds
-  # in another order, so an output differs by at most one ulp of its dtype (2^-8 in bf16).
+  # The aligned path (block_m 16) on the same inputs: same products; only the split GEMMs' f32
+  # atomics add in another order, which moves a rounding point by at most one ulp of the dtype
+  # (2^-8 in bf16) for the few values it flips.
   aligned = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
                                        block_m=16)
   assert _rel(got, aligned.astype(jnp.float32)) <= 2.0**-8

@@ -126,7 +126,9 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   RETURN_IF_ERROR(CheckScratch("expert_ids", *expert_ids, ffi::S32, cuda::MxInt4MoeMaxBlocks(p)));
   RETURN_IF_ERROR(CheckScratch("num_post_padded", *num_post_padded, ffi::S32, 1));
   RETURN_IF_ERROR(CheckScratch("act", *act, ffi::BF16, T * K * I));
-  if (p.split13 > 1) RETURN_IF_ERROR(CheckScratch("ws13", *ws13, ffi::F32, T * K * 2 * I));
+  if (p.split13 > 1) {
+    RETURN_IF_ERROR(CheckScratch("ws13", *ws13, ffi::F32, cuda::MxInt4MoeWs13Floats(p)));
+  }
   RETURN_IF_ERROR(CheckScratch("ws2", *ws2, ffi::F32, cuda::MxInt4MoeWs2Floats(p)));
   if (const int64_t perm_rows = cuda::MxInt4MoePermutedRows(p); perm_rows > 0) {
     RETURN_IF_ERROR(CheckScratch("x_perm", *x_perm, ffi::BF16, perm_rows * H));

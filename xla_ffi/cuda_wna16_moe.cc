@@ -159,8 +159,9 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
     return Invalid("x_perm scratch must hold " + std::to_string(perm_rows * H) +
                    " elements (act-order or block_m 128)");
   }
-  if (split13 > 1 && static_cast<int64_t>(ws13->element_count()) < rows * 2 * I) {
-    return Invalid("ws13 scratch must hold rows * 2I floats when split13 > 1");
+  if (static_cast<int64_t>(ws13->element_count()) < cuda::Wna16MoeWs13Floats(p)) {
+    return Invalid("ws13 scratch must hold " + std::to_string(cuda::Wna16MoeWs13Floats(p)) +
+                   " floats (rows * 2I, then rows * I / 16 counters at one token) when split13 > 1");
   }
   if (static_cast<int64_t>(ws2->element_count()) < cuda::Wna16MoeWs2Floats(p)) {
     return Invalid("ws2 scratch must hold rows * H + H / 32 floats");

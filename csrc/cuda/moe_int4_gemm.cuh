@@ -70,28 +70,47 @@ struct MoeGemmArgs {
   const float* out_bias = nullptr;  // [E][n] or null
   void* out = nullptr;           // [rows / top_k][n] T
   int top_k = 1;
+  // GEMM1 of such a call when split (kF32Store, atomics into ws): the warp that completes a
+  // pair's unit last (every split has added) applies bias and activation to its 16 columns and
+  // stores them to act, as the GEMM1 finalize kernel does. No finalize launch.
+  int32_t* act_arrivals = nullptr;  // [rows][units], zero at launch (as ws)
 };
 
 // Whether a call takes the decode path without alignment: one token (its K pairs have distinct
 // experts from a top-k, so a block per pair reads each expert's weights once), standard format,
-// no act-order (its permuted rows come from the alignment's order), block_m 8, and GEMM1 unsplit
-// (GEMM1 is the call's first GEMM kernel and clears GEMM2's workspace, so nothing may clear
-// GEMM1's own). Saves the alignment launch and the finalize launch (GEMM2 finalizes).
-inline bool DecodesWithoutAlignment(bool standard, bool act_order, int64_t tokens, int block_m,
-                                    int split13) {
-  return standard && !act_order && tokens == 1 && block_m == 8 && split13 == 1;
+// no act-order (its permuted rows come from the alignment's order) and block_m 8. Saves the
+// alignment launch, the finalize launch (GEMM2 finalizes) and, when GEMM1 splits K, the GEMM1
+// finalize launch (GEMM1's last split per unit applies the activation). GEMM1 clears GEMM2's
+// workspace; a split GEMM1's own (accumulators and counters) is zeroed by a memset before it.
+inline bool DecodesWithoutAlignment(bool standard, bool act_order, int64_t tokens, int block_m) {
+  return standard && !act_order && tokens == 1 && block_m == 8;
 }
 // Floats of GEMM2's workspace: rows x n accumulators, then one arrival counter per 32 columns.
 inline int64_t Gemm2WorkspaceFloats(int64_t rows, int64_t n) { return rows * n + n / 32; }
+// Floats of GEMM1's split-K workspace (n = 2I columns): rows x n accumulators, then, on the
+// one-token path, one arrival counter per pair and unit of 16 activation columns; 0 unsplit.
+inline int64_t Gemm1WorkspaceFloats(int64_t rows, int64_t n, int split13, bool one_token) {
+  if (split13 <= 1) return 0;
+  return rows * n + (one_token ? rows * (n / 32) : 0);
+}
 
 // The one-token path's part of GEMM1's arguments: block b computes pair b of `pair_experts` and
 // the kernel clears GEMM2's workspace `ws2` (rows x n2 accumulators and the counters after them).
+// When GEMM1 splits K (g1.ws and g1.n set), it counts arrivals after ws's rows x n accumulators.
 inline void SetOneTokenGemm1(MoeGemmArgs& g1, const int32_t* pair_experts, int experts,
                              float* ws2, int64_t rows, int64_t n2) {
   g1.pair_experts = pair_experts;
   g1.experts = experts;
   g1.clear = ws2;
   g1.clear_count = Gemm2WorkspaceFloats(rows, n2);
+  if (g1.splits > 1) g1.act_arrivals = reinterpret_cast<int32_t*>(g1.ws + rows * g1.n);
+}
+// Zeroes a split one-token GEMM1's workspace before it runs (nothing earlier in the call can).
+inline cudaError_t ClearOneTokenGemm1Workspace(const MoeGemmArgs& g1, int64_t rows,
+                                               cudaStream_t stream) {
+  if (!g1.act_arrivals) return cudaSuccess;
+  const int64_t floats = Gemm1WorkspaceFloats(rows, g1.n, g1.splits, true);
+  return cudaMemsetAsync(g1.ws, 0, static_cast<size_t>(floats) * sizeof(float), stream);
 }
 // ... and of GEMM2's (g2.ws, g2.n and g2.pair_experts set): it finalizes into `out`, counting
 // arrivals in the counters after ws's rows x n accumulators.
@@ -268,6 +287,25 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
     sum += RoundTo<T>(y * __ldg(topk_weights + pair));
   }
   StoreHalf<T>(out, static_cast<int64_t>(t) * n + col, sum);
+}
+
+// GEMM1's fused activation on the one-token path when split (MoeGemmArgs::act_arrivals): this
+// warp has added its split of pair `pair`'s unit `unit` (gate rows 16 unit + [0, 16) and their up
+// rows) into ws; the warp that arrives last for them finishes the 16 activation columns.
+template <typename T>
+__device__ __forceinline__ void ArriveAndActivate(const MoeGemmArgs& p, int pair, int unit,
+                                                  int lane, int expert) {
+  __threadfence();  // this lane's adds are visible before its warp's arrival
+  __syncwarp();
+  int ticket = 0;
+  if (lane == 0) ticket = atomicAdd(p.act_arrivals + static_cast<int64_t>(pair) * p.units + unit, 1);
+  ticket = __shfl_sync(0xffffffffu, ticket, 0);
+  if (ticket != static_cast<int>(gridDim.z) - 1) return;
+  __threadfence();  // and the other splits' adds before the reads (from L2)
+  if (lane >= 16) return;
+  const int n = unit * 16 + lane;
+  const float* row = p.ws + static_cast<int64_t>(pair) * p.n;
+  StoreActivation<T, false>(p, expert, n, pair, __ldcg(row + n), __ldcg(row + p.n / 2 + n));
 }
 
 // GEMM2's fused finalize (MoeGemmArgs::arrivals): this warp has added its part of unit `unit`
@@ -571,6 +609,11 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   if (expert >= 0) {
     MoeInt4GemmExpertBlock<T, kCode, MT, kMainloop, kFolded>(p, blockIdx.x, unit, warp, lane,
                                                              expert);
+    // One-token path (block_m 8 only, so only MT 1 compiles it). A pair without an expert here
+    // needs no activation: GEMM2 skips it too.
+    if constexpr (MT == 1) {
+      if (p.act_arrivals) ArriveAndActivate<T>(p, blockIdx.x, unit, lane, expert);
+    }
   }
   // A block without work still arrives: the unit's count includes every block and split.
   if (p.arrivals) ArriveAndFinalize<T>(p, unit, lane);

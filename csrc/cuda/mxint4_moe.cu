@@ -79,6 +79,11 @@ int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p) {
   return p.block_m == kWgmmaBlockM ? p.tokens : 0;
 }
 
+int64_t MxInt4MoeWs13Floats(const MxInt4MoeProblem& p) {
+  const bool one_token = DecodesWithoutAlignment(true, false, p.tokens, p.block_m);
+  return Gemm1WorkspaceFloats(p.tokens * p.top_k, 2 * p.intermediate, p.split13, one_token);
+}
+
 int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p) {
   return Gemm2WorkspaceFloats(p.tokens * p.top_k, p.hidden);
 }
@@ -146,8 +151,8 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
 
   // 2. This rank's pairs to expert blocks (local id -1: dropped); the same launch zeroes the
   // split-K workspaces. At one token (DecodesWithoutAlignment) neither: each pair is its own
-  // block and GEMM1 clears ws2.
-  const bool direct = DecodesWithoutAlignment(true, false, p.tokens, p.block_m, p.split13);
+  // block, GEMM1 clears ws2 and a memset clears a split GEMM1's ws13.
+  const bool direct = DecodesWithoutAlignment(true, false, p.tokens, p.block_m);
   if (!direct) {
     const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
@@ -197,16 +202,21 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g1.act_col = nullptr;
   if (p.split13 > 1) {
     g1.epilogue = EpilogueKind::kF32Store;
-    g1.ws = p.ws13;  // zeroed by the alignment launch
+    g1.ws = p.ws13;  // zeroed by the alignment launch (one token: by the memset below)
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  if (direct) SetOneTokenGemm1(g1, p.local_ids, L, p.ws2, rows, H);
+  if (direct) {
+    SetOneTokenGemm1(g1, p.local_ids, L, p.ws2, rows, H);
+    if (const cudaError_t e = ClearOneTokenGemm1Workspace(g1, rows, stream); e != cudaSuccess) {
+      return std::string("GEMM1 workspace memset: ") + cudaGetErrorString(e);
+    }
+  }
   const int gemm_blocks = direct ? rows : max_blocks;
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g1, gemm_blocks, stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
-  if (p.split13 > 1) {
+  if (p.split13 > 1 && !direct) {  // (on the one-token path GEMM1 applied the activation)
     const dim3 grid(rows, (I + 255) / 256);
     LaunchAfterPrior(MxInt4Finalize13Kernel, grid, dim3(256), 0, stream, p.ws13, p.local_ids, I,
                      rows, p.act);
@@ -216,6 +226,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
 
   // 4. GEMM2 into f32 rows.
   MoeGemmArgs g2 = g1;
+  g2.act_arrivals = nullptr;
   g2.x = p.act;
   g2.ld_x = I;
   g2.in_div = 1;

@@ -64,7 +64,7 @@ struct MxInt4MoeProblem {
   int32_t* expert_ids = nullptr;     // [MxInt4MoeMaxBlocks]
   int32_t* num_post_padded = nullptr;  // [1]
   void* act = nullptr;               // bf16 [T*K, I]
-  float* ws13 = nullptr;             // [T*K, 2I] (split13 > 1)
+  float* ws13 = nullptr;             // [T*K, 2I] (split13 > 1), then counters (MxInt4MoeWs13Floats)
   float* ws2 = nullptr;              // [T*K, H], then H / 32 int32 counters (MxInt4MoeWs2Floats)
   void* x_perm = nullptr;            // bf16 [T, H]: x in logical chunk order (block_m 128)
 };
@@ -73,6 +73,9 @@ int64_t MxInt4MoeMaxPadded(const MxInt4MoeProblem& p);
 int64_t MxInt4MoeMaxBlocks(const MxInt4MoeProblem& p);
 // Rows of x_perm the call writes: every token for the wgmma GEMM (block_m 128), else none.
 int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p);
+// Floats of ws13 (0 when GEMM1 is unsplit): GEMM1's split-K f32 rows (T*K x 2I), then, on the
+// one-token decode path, the fused activation's arrival counters (T*K x I / 16).
+int64_t MxInt4MoeWs13Floats(const MxInt4MoeProblem& p);
 // Floats of ws2: GEMM2's f32 rows (T*K x H), then the fused finalize's arrival counters (H / 32)
 // of the one-token decode path.
 int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p);

@@ -81,9 +81,9 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int E = static_cast<int>(p.experts);
 
   // 1. Token-to-expert alignment; the same launch zeroes the split-K workspaces. At one token
-  // (DecodesWithoutAlignment) neither: each pair is its own block and GEMM1 clears ws2.
-  const bool direct =
-      DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m, p.split13);
+  // (DecodesWithoutAlignment) neither: each pair is its own block, GEMM1 clears ws2 and a memset
+  // clears a split GEMM1's ws13.
+  const bool direct = DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m);
   if (!direct) {  // (the batched format never takes the one-token path)
     const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
@@ -153,16 +153,21 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   g1.mainloop = static_cast<GemmMainloop>(p.mainloop);
   if (p.split13 > 1) {
     g1.epilogue = EpilogueKind::kF32Store;
-    g1.ws = p.ws13;  // zeroed by the alignment launch
+    g1.ws = p.ws13;  // zeroed by the alignment launch (one token: by the memset below)
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  if (direct) SetOneTokenGemm1(g1, p.topk_ids, E, p.ws2, rows, H);
+  if (direct) {
+    SetOneTokenGemm1(g1, p.topk_ids, E, p.ws2, rows, H);
+    if (const cudaError_t e = ClearOneTokenGemm1Workspace(g1, rows, stream); e != cudaSuccess) {
+      return std::string("GEMM1 workspace memset: ") + cudaGetErrorString(e);
+    }
+  }
   const int gemm_blocks = static_cast<int>(direct ? rows : max_blocks);
   LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g1, gemm_blocks, stream);
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
-  if (p.split13 > 1) {
+  if (p.split13 > 1 && !direct) {  // (on the one-token path GEMM1 applied the activation)
     const dim3 grid((I + 255) / 256, static_cast<int>(rows));
     LaunchAfterPrior(Finalize13Kernel<T>, grid, dim3(256), 0, stream, p.ws13, row_expert_src,
                      row_expert_div, p.batched ? p.expert_num_tokens : nullptr,
@@ -174,6 +179,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
 
   // 4. GEMM2 into f32 rows.
   MoeGemmArgs g2 = g1;
+  g2.act_arrivals = nullptr;
   g2.x = p.act;
   g2.ld_x = I;
   g2.in_div = 1;
@@ -236,6 +242,11 @@ int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p) { return Wna16MoeMaxPadded(p
 int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p) {
   if (p.act_order || (p.batched && p.block_m == kWgmmaBlockM)) return Wna16MoeRows(p);
   return p.block_m == kWgmmaBlockM ? p.tokens : 0;
+}
+
+int64_t Wna16MoeWs13Floats(const Wna16MoeProblem& p) {
+  const bool one_token = DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m);
+  return Gemm1WorkspaceFloats(Wna16MoeRows(p), 2 * p.intermediate, p.split13, one_token);
 }
 
 int64_t Wna16MoeWs2Floats(const Wna16MoeProblem& p) {

@@ -53,7 +53,7 @@ struct Wna16MoeProblem {
   int32_t* num_post_padded = nullptr;  // [1]
   void* x_perm = nullptr;        // [R, H] (act_order)
   void* act = nullptr;           // [R, I]
-  float* ws13 = nullptr;         // [R, 2I] (split13 > 1)
+  float* ws13 = nullptr;         // [R, 2I] (split13 > 1), then counters (Wna16MoeWs13Floats)
   float* ws2 = nullptr;          // [R, H], then H / 32 int32 counters (Wna16MoeWs2Floats)
 };
 
@@ -65,6 +65,9 @@ int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p);
 // (rows); the wgmma GEMM (block_m 128) alone permutes each token's inputs once (T, or rows when
 // batched); otherwise none.
 int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p);
+// Floats of ws13 (0 when GEMM1 is unsplit): GEMM1's split-K f32 rows (R x 2I), then, on the
+// one-token decode path, the fused activation's arrival counters (R x I / 16).
+int64_t Wna16MoeWs13Floats(const Wna16MoeProblem& p);
 // Floats of ws2: GEMM2's f32 rows (R x H), then the fused finalize's arrival counters (H / 32)
 // of the one-token decode path.
 int64_t Wna16MoeWs2Floats(const Wna16MoeProblem& p);

@@ -119,13 +119,24 @@ def gemm2_workspace_floats(rows: int, hidden: int) -> int:
   return rows * hidden + hidden // 32
 
 
-def decodes_without_alignment(tokens: int, block_m: int, split13: int, *, batched: bool = False,
+def decodes_without_alignment(tokens: int, block_m: int, *, batched: bool = False,
                               act_order: bool = False) -> bool:
   """Whether the CUDA op takes its one-token decode path (DecodesWithoutAlignment in
-  csrc/cuda/moe_int4_gemm.cuh decides; this mirrors it for tests and benchmarks): each of the
-  token's K pairs is its own expert block (no alignment launch), GEMM1 clears GEMM2's workspace
-  and GEMM2's last warp per 32 output columns finalizes (no finalize launch)."""
-  return not batched and not act_order and tokens == 1 and block_m == 8 and split13 == 1
+  csrc/cuda/moe_int4_gemm.cuh decides; this mirrors it for the scratch sizes, tests and
+  benchmarks): each of the token's K pairs is its own expert block (no alignment launch), GEMM1
+  clears GEMM2's workspace, a split GEMM1's last split per 16 columns applies the activation (no
+  GEMM1 finalize launch) and GEMM2's last warp per 32 output columns finalizes (no finalize
+  launch)."""
+  return not batched and not act_order and tokens == 1 and block_m == 8
+
+
+def gemm1_workspace_floats(rows: int, intermediate: int, split13: int, one_token: bool) -> int:
+  """Length of the f32 ws13 scratch (Gemm1WorkspaceFloats in csrc/cuda/moe_int4_gemm.cuh, at
+  least 1): GEMM1's split-K rows x 2I accumulators, then on the one-token path one arrival counter
+  per pair and 16 activation columns; unsplit, none."""
+  if split13 <= 1:
+    return 1
+  return rows * 2 * intermediate + (rows * (intermediate // 16) if one_token else 0)
 
 
 def _launch_cost(ctas: int, chunks_per_cta: int, wave: int) -> int:

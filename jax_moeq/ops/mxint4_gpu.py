@@ -335,7 +335,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
       jax.ShapeDtypeStruct((blocks,), jnp.int32),         # expert_ids
       jax.ShapeDtypeStruct((1,), jnp.int32),              # num_post_padded
       jax.ShapeDtypeStruct((pairs * i,), jnp.bfloat16),   # act
-      jax.ShapeDtypeStruct((pairs * 2 * i if split13 > 1 else 1,), jnp.float32),  # ws13
+      jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(   # ws13
+          pairs, i, split13, _gpu_launch.decodes_without_alignment(t, block_m)),), jnp.float32),
       jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(pairs, h),), jnp.float32),  # ws2
       jax.ShapeDtypeStruct((t * h if block_m == _gpu_launch.WGMMA_BLOCK_M else 1,),
                            jnp.bfloat16),                 # x_perm

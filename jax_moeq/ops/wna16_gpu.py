@@ -363,7 +363,10 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       jax.ShapeDtypeStruct((1,), jnp.int32),
       jax.ShapeDtypeStruct((x_perm_len,), dt),
       jax.ShapeDtypeStruct((max(rows, 1) * i,), dt),
-      jax.ShapeDtypeStruct((rows * 2 * i if split13 > 1 else 1,), jnp.float32),
+      jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(
+          rows, i, split13, _gpu_launch.decodes_without_alignment(
+              x.shape[0], block_m, batched=batched, act_order=weights.act_order)),),
+                           jnp.float32),
       jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(max(rows, 1), h),), jnp.float32),
   ]
   operands = [x, route_ids, route_weights, weights.w13, weights.w13_scales, weights.w13_zeros,
