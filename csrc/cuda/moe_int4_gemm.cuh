@@ -74,6 +74,9 @@ struct MoeGemmArgs {
   // pair's unit last (every split has added) applies bias and activation to its 16 columns and
   // stores them to act, as the GEMM1 finalize kernel does. No finalize launch.
   int32_t* act_arrivals = nullptr;  // [rows][units], zero at launch (as ws)
+  // Launch after the previous kernel with the dependent launch (LaunchAfterPrior); false after a
+  // memset, where the programmatic edge would have no kernel to follow.
+  bool dependent_launch = true;
 };
 
 // Whether a call takes the decode path without alignment: one token (its K pairs have distinct
@@ -103,7 +106,10 @@ inline void SetOneTokenGemm1(MoeGemmArgs& g1, const int32_t* pair_experts, int e
   g1.experts = experts;
   g1.clear = ws2;
   g1.clear_count = Gemm2WorkspaceFloats(rows, n2);
-  if (g1.splits > 1) g1.act_arrivals = reinterpret_cast<int32_t*>(g1.ws + rows * g1.n);
+  if (g1.splits > 1) {
+    g1.act_arrivals = reinterpret_cast<int32_t*>(g1.ws + rows * g1.n);
+    g1.dependent_launch = false;  // it follows ClearOneTokenGemm1Workspace's memset
+  }
 }
 // Zeroes a split one-token GEMM1's workspace before it runs (nothing earlier in the call can).
 inline cudaError_t ClearOneTokenGemm1Workspace(const MoeGemmArgs& g1, int64_t rows,
@@ -754,8 +760,12 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
     }();
     (void)opted_in;
   }
-  LaunchAfterPrior(MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>, grid, dim3(threads), smem,
-                   stream, args);
+  if (args.dependent_launch) {
+    LaunchAfterPrior(MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>, grid, dim3(threads),
+                     smem, stream, args);
+  } else {
+    MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded><<<grid, threads, smem, stream>>>(args);
+  }
 }
 
 template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop>

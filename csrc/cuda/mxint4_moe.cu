@@ -227,6 +227,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   // 4. GEMM2 into f32 rows.
   MoeGemmArgs g2 = g1;
   g2.act_arrivals = nullptr;
+  g2.dependent_launch = true;
   g2.x = p.act;
   g2.ld_x = I;
   g2.in_div = 1;
