@@ -85,10 +85,15 @@ def test_default_mainloop_follows_measurements():
   assert launch.default_mainloop("mxint4", 32) == "registers"
 
 
-def _ffi_result_shapes(fn, *args):
-  """Result tensor types of the one custom call in fn's lowered module (no GPU needed)."""
+def _ffi_call_line(fn, *args):
+  """The one custom call of fn's lowered module (no GPU needed)."""
   text = jax.jit(fn).lower(*args).as_text()
-  line = next(l for l in text.splitlines() if "stablehlo.custom_call" in l)
+  return next(l for l in text.splitlines() if "stablehlo.custom_call" in l)
+
+
+def _ffi_result_shapes(fn, *args):
+  """Result tensor types of the one custom call in fn's lowered module."""
+  line = _ffi_call_line(fn, *args)
   return re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", line.split("->")[-1])
 
 
@@ -198,18 +203,21 @@ def test_ws13_scratch_of_a_split_gemm1(t, ws13_len):
   assert launch.decodes_without_alignment(t, 8) == (t == 1)
   assert launch.gemm1_workspace_floats(t * k, i, split13, t == 1) == ws13_len
   w = _wna16_weights(e, h, i, False)
-  shapes = _ffi_result_shapes(
-      lambda x, ids: wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.125), ids),
-      jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32))
+  call = (lambda x, ids: wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.125), ids),
+          jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, k), jnp.int32))
+  shapes = _ffi_result_shapes(*call)
   assert shapes[6] == str(ws13_len)  # out, sorted_ids, expert_ids, num_post_padded, x_perm, act
+  # The path is Python's decision, passed to the handler (which checks it).
+  assert f"one_token = {str(t == 1).lower()}" in _ffi_call_line(*call)
   q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
   q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
   p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
       q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
       q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
-  shapes = _ffi_result_shapes(
-      lambda x, logits: mxint4_gpu.mxint4_moe(
-          x, logits, *[p[n] for n in mxint4_gpu.WEIGHT_KEYS], num_experts=e, top_k=k,
-          intermediate_size=i, local_num_experts=e),
-      jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, e), jnp.float32))
+  call = (lambda x, logits: mxint4_gpu.mxint4_moe(
+      x, logits, *[p[n] for n in mxint4_gpu.WEIGHT_KEYS], num_experts=e, top_k=k,
+      intermediate_size=i, local_num_experts=e),
+          jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, e), jnp.float32))
+  shapes = _ffi_result_shapes(*call)
   assert shapes[8] == str(ws13_len)  # out, ids, weights, local ids, sorted, blocks, padded, act
+  assert f"one_token = {str(t == 1).lower()}" in _ffi_call_line(*call)

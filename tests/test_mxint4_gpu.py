@@ -293,7 +293,13 @@ def test_handler_rejects_bad_buffers():
   attrs = dict(top_k=np.int64(k), intermediate_size=np.int64(i), local_expert_offset=np.int64(0),
                routing_method=np.int64(3), num_expert_group=np.int64(1), topk_group=np.int64(1),
                routed_scaling_factor=np.float32(1), has_bias=False, block_m=np.int64(8),
-               split13=np.int64(1), split2=np.int64(1), mainloop=np.int64(0))
+               split13=np.int64(1), split2=np.int64(1), mainloop=np.int64(0),
+               one_token=False)
   with pytest.raises(Exception, match="Llama4 routing needs top_k == 1"):
+    jax.block_until_ready(call(x, logits, jnp.zeros((1,), jnp.float32),
+                               *[prepared[n] for n in mxint4_gpu.WEIGHT_KEYS], **attrs))
+  # The one-token path asked for at T = 4: refused (it would read one block per pair of token 0).
+  attrs.update(routing_method=np.int64(1), one_token=True)
+  with pytest.raises(Exception, match="one_token"):
     jax.block_until_ready(call(x, logits, jnp.zeros((1,), jnp.float32),
                                *[prepared[n] for n in mxint4_gpu.WEIGHT_KEYS], **attrs))

@@ -80,8 +80,7 @@ int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p) {
 }
 
 int64_t MxInt4MoeWs13Floats(const MxInt4MoeProblem& p) {
-  const bool one_token = DecodesWithoutAlignment(true, false, p.tokens, p.block_m);
-  return Gemm1WorkspaceFloats(p.tokens * p.top_k, 2 * p.intermediate, p.split13, one_token);
+  return Gemm1WorkspaceFloats(p.tokens * p.top_k, 2 * p.intermediate, p.split13, p.one_token);
 }
 
 int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p) {
@@ -129,6 +128,9 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
       !err.empty()) {
     return err;
   }
+  if (p.one_token && !DecodesWithoutAlignment(true, false, p.tokens, p.block_m)) {
+    return "one_token (the decode path without alignment) needs one token and block_m 8";
+  }
   if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
     return "problem too large for 32-bit row indexing";
   }
@@ -152,7 +154,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   // 2. This rank's pairs to expert blocks (local id -1: dropped); the same launch zeroes the
   // split-K workspaces. At one token (DecodesWithoutAlignment) neither: each pair is its own
   // block, GEMM1 clears ws2 and a memset clears a split GEMM1's ws13.
-  const bool direct = DecodesWithoutAlignment(true, false, p.tokens, p.block_m);
+  const bool direct = p.one_token;
   if (!direct) {
     const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;

@@ -45,6 +45,7 @@ struct MxInt4MoeProblem {
   int split13 = 1;
   int split2 = 1;
   int mainloop = 0;           // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
+  bool one_token = false;     // the decode path without alignment (DecodesWithoutAlignment holds)
 
   // Inputs.
   const void* x = nullptr;           // bf16 [T, H]

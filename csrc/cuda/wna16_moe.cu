@@ -83,7 +83,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   // 1. Token-to-expert alignment; the same launch zeroes the split-K workspaces. At one token
   // (DecodesWithoutAlignment) neither: each pair is its own block, GEMM1 clears ws2 and a memset
   // clears a split GEMM1's ws13.
-  const bool direct = DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m);
+  const bool direct = p.one_token;
   if (!direct) {  // (the batched format never takes the one-token path)
     const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
@@ -246,8 +246,7 @@ int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p) {
 }
 
 int64_t Wna16MoeWs13Floats(const Wna16MoeProblem& p) {
-  const bool one_token = DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m);
-  return Gemm1WorkspaceFloats(Wna16MoeRows(p), 2 * p.intermediate, p.split13, one_token);
+  return Gemm1WorkspaceFloats(Wna16MoeRows(p), 2 * p.intermediate, p.split13, p.one_token);
 }
 
 int64_t Wna16MoeWs2Floats(const Wna16MoeProblem& p) {
@@ -258,6 +257,10 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
   if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop);
       !err.empty()) {
     return err;
+  }
+  if (p.one_token && !DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m)) {
+    return "one_token (the decode path without alignment) needs one token, the standard format, "
+           "no act-order and block_m 8";
   }
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {

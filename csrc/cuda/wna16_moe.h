@@ -29,6 +29,7 @@ struct Wna16MoeProblem {
   bool has_bias = false;
   bool act_order = false;
   int mainloop = 0;      // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
+  bool one_token = false;  // the decode path without alignment (DecodesWithoutAlignment holds)
 
   // Inputs.
   const void* x = nullptr;

@@ -121,12 +121,12 @@ def gemm2_workspace_floats(rows: int, hidden: int) -> int:
 
 def decodes_without_alignment(tokens: int, block_m: int, *, batched: bool = False,
                               act_order: bool = False) -> bool:
-  """Whether the CUDA op takes its one-token decode path (DecodesWithoutAlignment in
-  csrc/cuda/moe_int4_gemm.cuh decides; this mirrors it for the scratch sizes, tests and
-  benchmarks): each of the token's K pairs is its own expert block (no alignment launch), GEMM1
-  clears GEMM2's workspace, a split GEMM1's last split per 16 columns applies the activation (no
-  GEMM1 finalize launch) and GEMM2's last warp per 32 output columns finalizes (no finalize
-  launch)."""
+  """Whether a CUDA op call takes the one-token decode path (the ops pass it as the one_token
+  attribute; the FFI handler checks it against DecodesWithoutAlignment in
+  csrc/cuda/moe_int4_gemm.cuh): each of the token's K pairs is its own expert block (no
+  alignment launch), GEMM1 clears GEMM2's workspace, a split GEMM1's last split per 16 columns
+  applies the activation (no GEMM1 finalize launch) and GEMM2's last warp per 32 output columns
+  finalizes (no finalize launch)."""
   return not batched and not act_order and tokens == 1 and block_m == 8
 
 

@@ -326,6 +326,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
   groups = 1 if num_expert_group is None else int(num_expert_group)
   kept = 1 if topk_group is None else int(topk_group)
+  # The one-token decode path: decided here, checked again by the FFI handler.
+  one_token = _gpu_launch.decodes_without_alignment(t, block_m)
   results = [
       jax.ShapeDtypeStruct((t, h), jnp.bfloat16),         # out
       jax.ShapeDtypeStruct((t, top_k), jnp.int32),        # topk_ids
@@ -335,8 +337,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
       jax.ShapeDtypeStruct((blocks,), jnp.int32),         # expert_ids
       jax.ShapeDtypeStruct((1,), jnp.int32),              # num_post_padded
       jax.ShapeDtypeStruct((pairs * i,), jnp.bfloat16),   # act
-      jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(   # ws13
-          pairs, i, split13, _gpu_launch.decodes_without_alignment(t, block_m)),), jnp.float32),
+      jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(pairs, i, split13, one_token),),
+                           jnp.float32),                  # ws13
       jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(pairs, h),), jnp.float32),  # ws2
       jax.ShapeDtypeStruct((t * h if block_m == _gpu_launch.WGMMA_BLOCK_M else 1,),
                            jnp.bfloat16),                 # x_perm
@@ -347,7 +349,7 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
                num_expert_group=np.int64(groups), topk_group=np.int64(kept),
                routed_scaling_factor=np.float32(scale), has_bias=has_bias,
                block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2),
-               mainloop=np.int64(mainloop_id))
+               mainloop=np.int64(mainloop_id), one_token=one_token)
   if out_init is None:
     call = jax.ffi.ffi_call(FFI_TARGET, results)
   else:

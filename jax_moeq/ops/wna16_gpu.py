@@ -354,6 +354,9 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
     x_perm_len = x.shape[0] * h
   else:
     x_perm_len = 1
+  # The one-token decode path: decided here, checked again by the FFI handler.
+  one_token = _gpu_launch.decodes_without_alignment(x.shape[0], block_m, batched=batched,
+                                                    act_order=weights.act_order)
   dt = x.dtype
   out_shape = x.shape
   results = [
@@ -363,9 +366,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       jax.ShapeDtypeStruct((1,), jnp.int32),
       jax.ShapeDtypeStruct((x_perm_len,), dt),
       jax.ShapeDtypeStruct((max(rows, 1) * i,), dt),
-      jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(
-          rows, i, split13, _gpu_launch.decodes_without_alignment(
-              x.shape[0], block_m, batched=batched, act_order=weights.act_order)),),
+      jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(rows, i, split13, one_token),),
                            jnp.float32),
       jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(max(rows, 1), h),), jnp.float32),
   ]
@@ -377,7 +378,8 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       groups13=np.int64(h // weights.group_size13), groups2=np.int64(i // weights.group_size2),
       block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2),
       activation_kind=np.int64(activation_kind), has_zeros=weights.has_zeros,
-      has_bias=weights.has_bias, act_order=weights.act_order, mainloop=np.int64(mainloop_id))
+      has_bias=weights.has_bias, act_order=weights.act_order, mainloop=np.int64(mainloop_id),
+      one_token=one_token)
   if out_init is None:
     call = jax.ffi.ffi_call(FFI_TARGET, results)
   else:
