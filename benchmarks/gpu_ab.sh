@@ -26,6 +26,6 @@ for r in $(seq "$ROUNDS"); do
     [ "$which" = base ] && lib=$PWD/build/ab_base/libjax_moeq_cuda.so
     echo "== round $r: $which"
     JAX_MOEQ_CUDA_LIBRARY=$lib timeout "${AB_TIMEOUT:-300}" bash -c "$CMD" >"$OUT/ab_${which}_$r.log" 2>&1
-    echo "(rc=$?)"; grep -E "^(Mixtral|Qwen3|DeepSeek)" "$OUT/ab_${which}_$r.log" | cut -c1-140
+    echo "(rc=$?)"; grep -E "^(Mixtral|Qwen3|DeepSeek|wna16 |mxint4 )" "$OUT/ab_${which}_$r.log" | cut -c1-140
   done
 done
