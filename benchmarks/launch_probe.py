@@ -1,9 +1,11 @@
 """Probe of the launch choices in _gpu_launch: times one op at one shape and T under forced
 split-K factors (GEMM1, GEMM2), the variants alternating in rounds within one process so they
-share the machine's state. An experiment, not a benchmark: it replaces choose_gemm_splits while
-each variant traces. A variant is "s13.s2", or "auto" (the library's choice).
+share the machine's state. An experiment, not a benchmark: it replaces choose_gemm_splits (and
+decodes_without_alignment) while each variant traces. A variant is "s13.s2", or "auto" (the
+library's choice), optionally followed by "/aligned": the alignment path even where one token
+could skip it (decodes_without_alignment forced false), to compare the two paths in one process.
   python3 benchmarks/launch_probe.py wna16 Mixtral-8x7B 1 1.7 1.8
-  python3 benchmarks/launch_probe.py mxint4 Mixtral-8x7B 1 auto
+  python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto auto/aligned
 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
@@ -58,19 +60,26 @@ def make_op(op: str, name: str, t: int):
 
 
 def parse_variant(text: str):
-  return None if text == "auto" else tuple(int(v) for v in text.split("."))
+  """(split factors or None for the library's, whether the alignment path is forced)."""
+  splits, _, path = text.partition("/")
+  if path not in ("", "aligned"):
+    raise ValueError(f"unknown path {path!r} in variant {text!r}: only 'aligned'")
+  return (None if splits == "auto" else tuple(int(v) for v in splits.split("."))), bool(path)
 
 
 @contextlib.contextmanager
-def forced(splits):
-  """The variant's split factors in force (jax.jit traces at a function's first call)."""
-  saved = _gpu_launch.choose_gemm_splits
+def forced(variant):
+  """The variant's choices in force (jax.jit traces at a function's first call)."""
+  splits, aligned = variant
+  saved = _gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment
   try:
     if splits is not None:
       _gpu_launch.choose_gemm_splits = lambda *args, **kwargs: splits
+    if aligned:
+      _gpu_launch.decodes_without_alignment = lambda *args, **kwargs: False
     yield
   finally:
-    _gpu_launch.choose_gemm_splits = saved
+    _gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment = saved
 
 
 def main():
