@@ -283,14 +283,29 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
                                                     int experts, const float* topk_weights,
                                                     const float* bias, int top_k, int n, int t,
                                                     int col, void* out) {
+  // Eight pairs' loads are issued before any is used: one memory latency per eight pairs, not
+  // one per pair (a loop of dependent loads made this reduction ~7 us at Qwen3 T=16). The sum
+  // keeps the order of k.
+  constexpr int kBatch = 8;
   float sum = 0.0f;
-  for (int k = 0; k < top_k; ++k) {
-    const int pair = t * top_k + k;
-    const int e = __ldg(pair_experts + pair);
-    if (e < 0 || e >= experts) continue;
-    float y = __ldcg(ws + static_cast<int64_t>(pair) * n + col);
-    if (bias) y += __ldg(bias + static_cast<int64_t>(e) * n + col);
-    sum += RoundTo<T>(y * __ldg(topk_weights + pair));
+  for (int k0 = 0; k0 < top_k; k0 += kBatch) {
+    int e[kBatch];
+    float y[kBatch], w[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int pair = t * top_k + k0 + j;
+      const bool in = k0 + j < top_k;
+      e[j] = in ? __ldg(pair_experts + pair) : -1;
+      w[j] = in ? __ldg(topk_weights + pair) : 0.0f;
+      y[j] = in ? __ldcg(ws + static_cast<int64_t>(pair) * n + col) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (e[j] < 0 || e[j] >= experts) continue;
+      float v = y[j];
+      if (bias) v += __ldg(bias + static_cast<int64_t>(e[j]) * n + col);
+      sum += RoundTo<T>(v * w[j]);
+    }
   }
   StoreHalf<T>(out, static_cast<int64_t>(t) * n + col, sum);
 }
