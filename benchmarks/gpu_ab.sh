@@ -2,7 +2,9 @@
 # A/B of two builds of the CUDA library in one GPU call: the working tree and a baseline source
 # tree (e.g. `git archive HEAD csrc xla_ffi cmake CMakeLists.txt | tar -x -C .ab/base`, carried to
 # the device). Builds both, then runs CMD once per library (JAX_MOEQ_CUDA_LIBRARY), alternating
-# ROUNDS times, so the two timings share the machine's state.
+# ROUNDS times, so the two timings share the machine's state. Only the library is swapped, so both
+# trees must share the FFI contract (xla_ffi/abi_version.h; a baseline of another version is
+# refused on load): to compare across a contract change, run both whole trees instead.
 #   BASE=.ab/base CMD="python3 benchmarks/gpu_moe_bench.py --no-torch --tokens 4096" ROUNDS=1
 set -uo pipefail
 cd "$(dirname "$0")/.."

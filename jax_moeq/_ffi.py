@@ -4,7 +4,8 @@ The CPU library is a pybind11 extension (`jax_moeq._cpu_ffi`) built with the
 package. The CUDA library is a plain C-ABI shared object
 (`jax_moeq/lib/libjax_moeq_cuda.so`) loaded with ctypes, so it does not depend
 on the Python version; it exists only where nvcc was found at build time.
-Both register their handlers with XLA exactly once, on first use.
+Both register their handlers with XLA exactly once, on first use, and only when
+their FFI contract version (xla_ffi/abi_version.h) is this package's FFI_ABI_VERSION.
 """
 
 from __future__ import annotations
@@ -21,10 +22,26 @@ logger = logging.getLogger("jax_moeq")
 
 _PKG_DIR = Path(__file__).resolve().parent
 CUDA_LIBRARY_NAME = "libjax_moeq_cuda.so"
+# JAX_MOEQ_FFI_ABI_VERSION of xla_ffi/abi_version.h: bump both together whenever a target's
+# buffers, attributes or workspace sizes change.
+FFI_ABI_VERSION = 1
 
 
 class NativeLibraryError(RuntimeError):
   """A native library needed by the chosen backend is missing or broken."""
+
+
+class StaleLibraryError(NativeLibraryError):
+  """A native library was built from another version of jax_moeq's FFI contract."""
+
+
+def _check_abi_version(what: str, version: int | None) -> None:
+  if version != FFI_ABI_VERSION:
+    found = "no version" if version is None else f"version {version}"
+    raise StaleLibraryError(
+        f"{what} was built for FFI contract {found}, this jax_moeq needs version "
+        f"{FFI_ABI_VERSION}: rebuild it with the package (`pip install .` or "
+        "scripts/dev_build.sh)")
 
 
 @functools.cache
@@ -37,6 +54,8 @@ def cpu_module():
         "jax_moeq's CPU library (jax_moeq._cpu_ffi) is not built; install the "
         "package with `pip install .` (or run scripts/dev_build.sh): " + str(e)
     ) from e
+  _check_abi_version("jax_moeq's CPU library (jax_moeq._cpu_ffi)",
+                     getattr(_cpu_ffi, "ABI_VERSION", None))
   for name, capsule in _cpu_ffi.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   return _cpu_ffi
@@ -45,6 +64,9 @@ def cpu_module():
 def cpu_library_available() -> bool:
   try:
     cpu_module()
+  except StaleLibraryError as e:
+    _warn_once(str(e))
+    return False
   except NativeLibraryError:
     return False
   return True
@@ -73,7 +95,21 @@ def cuda_library() -> ctypes.CDLL:
         "jax_moeq's CUDA library (libjax_moeq_cuda.so) was not built: install "
         "on a machine with nvcc (JAX_MOEQ_CUDA=ON makes its absence an error)"
     )
+  return load_cuda_library(path)
+
+
+def load_cuda_library(path: Path) -> ctypes.CDLL:
+  """Loads the CUDA library at `path`, checks its FFI contract version, and registers its
+  handlers for CUDA (uncached: `cuda_library` is the once-per-process entry point)."""
   lib = ctypes.CDLL(str(path))
+  try:
+    version_of = lib.jax_moeq_cuda_abi_version
+  except AttributeError:  # built before the version existed
+    version = None
+  else:
+    version_of.restype = ctypes.c_int
+    version = int(version_of())
+  _check_abi_version(f"the CUDA library {path}", version)
   names = ctypes.POINTER(ctypes.c_char_p)()
   handlers = ctypes.POINTER(ctypes.c_void_p)()
   count = lib.jax_moeq_cuda_targets(ctypes.byref(names), ctypes.byref(handlers))
@@ -86,9 +122,18 @@ def cuda_library() -> ctypes.CDLL:
 def cuda_library_available() -> bool:
   try:
     cuda_library()
+  except StaleLibraryError as e:
+    _warn_once(str(e))
+    return False
   except (NativeLibraryError, OSError, AttributeError):
     return False
   return True
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+  # A stale library is not an absent one: the oracle falls back to another backend, and says why.
+  logger.warning("%s", message)
 
 
 def cuda_compute_capability() -> tuple[int, int] | None:

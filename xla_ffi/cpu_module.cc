@@ -8,6 +8,7 @@
 #include "cpu/cpu_isa.h"
 #include "cpu/w4a8_moe.h"
 #include "xla/ffi/api/c_api.h"
+#include "xla_ffi/abi_version.h"
 
 extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpuInto(XLA_FFI_CallFrame* call_frame);
@@ -16,6 +17,8 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(_cpu_ffi, m) {
   m.doc() = "jax_moeq CPU kernels (XLA FFI handlers)";
+  // Checked by jax_moeq/_ffi.py before it registers any handler (xla_ffi/abi_version.h).
+  m.attr("ABI_VERSION") = JAX_MOEQ_FFI_ABI_VERSION;
   m.def("registrations", []() {
     py::dict targets;
     targets["jax_moeq_w4a8_moe_cpu"] =

@@ -1,6 +1,7 @@
 // Registry of the CUDA library's FFI handlers, read by jax_moeq/_ffi.py via
 // ctypes. One line per target; the two arrays stay in step.
 #include "xla/ffi/api/c_api.h"
+#include "xla_ffi/abi_version.h"
 
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCudaInto(XLA_FFI_CallFrame* call_frame);
@@ -33,4 +34,9 @@ extern "C" __attribute__((visibility("default"))) int jax_moeq_cuda_targets(cons
   *names = kTargetNames;
   *handlers = kTargetHandlers;
   return static_cast<int>(sizeof(kTargetNames) / sizeof(kTargetNames[0]));
+}
+
+// Checked by jax_moeq/_ffi.py before it registers any handler (xla_ffi/abi_version.h).
+extern "C" __attribute__((visibility("default"))) int jax_moeq_cuda_abi_version() {
+  return JAX_MOEQ_FFI_ABI_VERSION;
 }
