@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA library, run the WNA16 GPU tests, a
 # compute-sanitizer memcheck of a small case, and the benchmark. Logs go to $OUT (or /tmp).
-#   STAGES="build test memcheck bench" (default all); BENCH_ARGS="--quick" etc.
+#   STAGES="build test memcheck bench" (default all; "trace" adds ncu per-kernel times, TRACE=...);
+#   BENCH_ARGS="--quick" etc.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_suite}
@@ -86,6 +87,21 @@ PYEOF
   rc=$?
   tail -6 "$OUT/memcheck.log"
   summary+=("memcheck: rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
+fi
+
+if has trace; then
+  # Per-kernel durations under ncu (benchmarks/layer_trace.py), one line of means per kernel.
+  # TRACE="op shape T; ..." (default: the small-expert decode shapes).
+  IFS=';' read -ra specs <<<"${TRACE:-wna16 Qwen3-30B-A3B 1; wna16 Qwen3-30B-A3B 16; mxint4 Qwen3-30B-A3B 1; mxint4 Qwen3-30B-A3B 16}"
+  for spec in "${specs[@]}"; do
+    spec=$(echo $spec)  # trims the blanks around each entry
+    name=$(echo $spec | tr ' ' '_')
+    timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      -k "regex:Align|Finalize|MoeInt4|MxInt4|Permute" "$PY" benchmarks/layer_trace.py $spec \
+      >"$OUT/ncu_$name.csv" 2>"$OUT/ncu_$name.err"
+    echo "== trace $spec"
+    "$PY" benchmarks/layer_trace.py --summary "$OUT/ncu_$name.csv" 2>&1 | cut -c1-110
+  done
 fi
 
 if has bench; then
