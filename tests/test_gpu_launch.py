@@ -221,3 +221,67 @@ def test_ws13_scratch_of_a_split_gemm1(t, ws13_len):
   shapes = _ffi_result_shapes(*call)
   assert shapes[8] == str(ws13_len)  # out, ids, weights, local ids, sorted, blocks, padded, act
   assert f"one_token = {str(t == 1).lower()}" in _ffi_call_line(*call)
+
+
+def _mxint4_weights(e, h, i):
+  from jax_moeq.ops import mxint4_gpu
+  q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
+  q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
+  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+      q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
+      q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
+  return [p[n] for n in mxint4_gpu.WEIGHT_KEYS]
+
+
+def _custom_calls(fn, *args):
+  text = jax.jit(fn).lower(*args).as_text()
+  return [l for l in text.splitlines() if "stablehlo.custom_call" in l], text
+
+
+@pytest.mark.parametrize("with_out_init", [False, True])
+def test_vmap_of_token_sets_is_one_call(with_out_init):
+  """vmap over B token sets sharing the weights lowers to one custom call on B*T tokens (its
+  launch choices follow the folded T: B*T = 16 tokens take the aligned path, T = 1 would not)."""
+  from jax_moeq import _ffi
+  from jax_moeq.ops import mxint4_gpu, wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  b, t, e, h, i, k = 16, 1, 8, 256, 128, 2
+  w = _wna16_weights(e, h, i, False)
+  extra = (jnp.zeros((b, t, h), jnp.bfloat16),) if with_out_init else ()
+
+  def wna16(x, ids, *o):
+    return wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids,
+                                      out_init=o[0] if o else None)
+
+  calls, _ = _custom_calls(jax.vmap(wna16), jnp.ones((b, t, h), jnp.bfloat16),
+                           jnp.zeros((b, t, k), jnp.int32), *extra)
+  assert len(calls) == 1
+  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{b * t}x{h}"
+  assert "one_token = false" in calls[0]
+  mw = _mxint4_weights(e, h, i)
+
+  def mxint4(x, logits, *o):
+    return mxint4_gpu.mxint4_moe(x, logits, *mw, num_experts=e, top_k=k, intermediate_size=i,
+                                 local_num_experts=e, out_init=o[0] if o else None)
+
+  calls, _ = _custom_calls(jax.vmap(mxint4), jnp.ones((b, t, h), jnp.bfloat16),
+                           jnp.zeros((b, t, e), jnp.float32), *extra)
+  assert len(calls) == 1
+  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{b * t}x{h}"
+
+
+def test_vmap_with_per_batch_weights_runs_in_sequence():
+  """Weights mapped too (a weight set per batch element): one call of T tokens inside a loop."""
+  from jax_moeq import _ffi
+  from jax_moeq.ops import mxint4_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  b, t, e, h, i, k = 3, 4, 8, 256, 128, 2
+  stacked = [jnp.stack([a] * b) for a in _mxint4_weights(e, h, i)]
+  calls, text = _custom_calls(
+      jax.vmap(lambda x, logits, *w: mxint4_gpu.mxint4_moe(
+          x, logits, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e)),
+      jnp.ones((b, t, h), jnp.bfloat16), jnp.zeros((b, t, e), jnp.float32), *stacked)
+  assert len(calls) == 1 and "stablehlo.while" in text
+  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{t}x{h}"

@@ -39,6 +39,7 @@ import numpy as np
 
 from jax_moeq import routing as routing_lib
 from jax_moeq.ops import _gpu_launch, wna16_gpu
+from jax_moeq.ops._token_batching import fold_token_batches
 from jax_moeq.routing import RoutingMethodType
 
 Array = jax.Array
@@ -305,8 +306,37 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
     return (jnp.zeros((0, h), jnp.bfloat16), jnp.zeros((0, top_k), jnp.int32),
             jnp.zeros((0, top_k), jnp.float32))
 
+  has_bias = e_score_correction_bias is not None
+  bias = (jnp.asarray(e_score_correction_bias, jnp.float32).reshape(num_experts) if has_bias
+          else jnp.zeros((1,), jnp.float32))
+  static = dict(num_experts=num_experts, top_k=top_k, intermediate_size=i, local_experts=el,
+                offset=offset, method=method, num_expert_group=num_expert_group,
+                topk_group=topk_group, has_bias=has_bias,
+                routed_scaling_factor=routed_scaling_factor, block_m=block_m, mainloop=mainloop)
+  token_args = (x, router_logits)
+  if out_init is not None:
+    if out_init.shape != (t, h) or out_init.dtype != jnp.bfloat16:
+      raise ValueError(f"out_init must be {(t, h)} bfloat16, got {out_init.shape} "
+                       f"{out_init.dtype}")
+    token_args += (out_init,)
+
+  def call(x, router_logits, *rest):
+    out_buffer, shared = (rest[0], rest[1:]) if len(rest) == 6 else (None, rest)
+    return _mxint4_ffi(x, router_logits, out_buffer, *shared, **static)
+
+  # Under vmap, token sets sharing the weights are one call (_token_batching).
+  return fold_token_batches(call, len(token_args))(
+      *token_args, w13_packed, w13_scale, w2_packed, w2_scale, bias)
+
+
+def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2_scale, bias, *,
+                num_experts, top_k, intermediate_size, local_experts, offset, method,
+                num_expert_group, topk_group, has_bias, routed_scaling_factor, block_m, mainloop):
+  """The FFI call on validated operands; launch choices follow x's token count."""
   from jax_moeq import _ffi
   _ffi.cuda_library()
+  t, h = x.shape
+  i, el = intermediate_size, local_experts
   pairs = t * top_k
   local_pairs = pairs * el / num_experts  # expected, for the heuristics
   if block_m is None:
@@ -320,9 +350,6 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   blocks = padded // block_m
   busy = min(blocks, _gpu_launch.expected_busy_blocks(local_pairs, el, block_m))
   split13, split2 = _gpu_launch.choose_gemm_splits(busy, h, i, block_m, pairs)
-  has_bias = e_score_correction_bias is not None
-  bias = (jnp.asarray(e_score_correction_bias, jnp.float32).reshape(num_experts) if has_bias
-          else jnp.zeros((1,), jnp.float32))
   scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
   groups = 1 if num_expert_group is None else int(num_expert_group)
   kept = 1 if topk_group is None else int(topk_group)
@@ -353,9 +380,6 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   if out_init is None:
     call = jax.ffi.ffi_call(FFI_TARGET, results)
   else:
-    if out_init.shape != (t, h) or out_init.dtype != jnp.bfloat16:
-      raise ValueError(f"out_init must be {(t, h)} bfloat16, got {out_init.shape} "
-                       f"{out_init.dtype}")
     operands.append(out_init)
     call = jax.ffi.ffi_call(FFI_TARGET_INTO, results,
                             input_output_aliases={len(operands) - 1: 0})

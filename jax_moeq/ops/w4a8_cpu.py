@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moeq import _ffi
+from jax_moeq.ops._token_batching import fold_token_batches
 
 FFI_TARGET = "jax_moeq_w4a8_moe_cpu"
 # Same op writing into a given (aliased) buffer: lets tests poison the output.
@@ -227,30 +228,12 @@ def _ffi_moe(x, topk_ids, topk_weights, w13_packed, w2_packed, *, H, I, group_si
 
 
 def _batched_moe(static: dict):
-  """The op with a vmap rule: a batch of token sets sharing weights is one
+  """The op with a vmap rule (_token_batching): a batch of token sets sharing weights is one
   bigger token set; per-batch weights fall back to a sequential map."""
-
-  @jax.custom_batching.custom_vmap
-  def moe(x, topk_ids, topk_weights, w13_packed, w2_packed):
-    return _ffi_moe(x, topk_ids, topk_weights, w13_packed, w2_packed, **static)
-
-  @moe.def_vmap
-  def _rule(axis_size, in_batched, x, topk_ids, topk_weights, w13_packed, w2_packed):
-    xb, ib, wb, w13b, w2b = in_batched
-    bcast = lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-    x, topk_ids, topk_weights = bcast(x, xb), bcast(topk_ids, ib), bcast(topk_weights, wb)
-    if w13b or w2b:
-      w13_packed, w2_packed = bcast(w13_packed, w13b), bcast(w2_packed, w2b)
-      out = jax.lax.map(lambda a: moe(*a), (x, topk_ids, topk_weights, w13_packed, w2_packed))
-      return out, True
-    b, t = x.shape[:2]
-    out = moe(
-        x.reshape(b * t, *x.shape[2:]), topk_ids.reshape(b * t, -1),
-        topk_weights.reshape(b * t, -1), w13_packed, w2_packed,
-    )
-    return out.reshape(x.shape), True
-
-  return moe
+  return fold_token_batches(
+      lambda x, topk_ids, topk_weights, w13_packed, w2_packed: _ffi_moe(
+          x, topk_ids, topk_weights, w13_packed, w2_packed, **static),
+      num_token_args=3)
 
 
 def dynamic_4bit_int_moe(

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moeq.ops import _gpu_launch
+from jax_moeq.ops._token_batching import fold_token_batches
 from jax_moeq.quant import int4
 
 Array = jax.Array
@@ -417,7 +418,8 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     mainloop: GEMM main loop, "registers" (default), "async_ring" or "bulk_copy" (see
       `_gpu_launch.MAINLOOPS`).
   Returns:
-    [T, H] in x's dtype.
+    [T, H] in x's dtype. Under vmap, token sets sharing the weights are one call on their
+    concatenated tokens (launch choices follow the folded T); per-batch weights run in sequence.
   """
   _validate_common(x, weights, 2)
   if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
@@ -428,9 +430,16 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
   if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
     raise TypeError(f"topk_ids must be integer, got {topk_ids.dtype}")
   weights = _check_x_dtype(x, weights)
-  return _call(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), weights,
-               batched=False, activation_kind=activation_kind, block_m=block_m,
-               out_init=out_init, mainloop=mainloop)
+  token_args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32))
+  if out_init is not None:
+    token_args += (out_init,)
+
+  def call(x, ids, w, *rest):
+    out_buffer, shared = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    return _call(x, ids, w, shared, batched=False, activation_kind=activation_kind,
+                 block_m=block_m, out_init=out_buffer, mainloop=mainloop)
+
+  return fold_token_batches(call, len(token_args))(*token_args, weights)
 
 
 def batched_fused_marlin_moe(x: Array, expert_num_tokens: Array, weights: Wna16MoeWeights, *,
