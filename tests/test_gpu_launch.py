@@ -285,3 +285,17 @@ def test_vmap_with_per_batch_weights_runs_in_sequence():
       jnp.ones((b, t, h), jnp.bfloat16), jnp.zeros((b, t, e), jnp.float32), *stacked)
   assert len(calls) == 1 and "stablehlo.while" in text
   assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{t}x{h}"
+
+
+def test_vmap_of_the_batched_format_runs_in_sequence():
+  from jax_moeq import _ffi
+  from jax_moeq.ops import wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  b, e, h, i, m = 3, 8, 256, 128, 4
+  w = _wna16_weights(e, h, i, False)
+  calls, text = _custom_calls(
+      jax.vmap(lambda x, n: wna16_gpu.batched_fused_marlin_moe(x, n, w)),
+      jnp.ones((b, e, m, h), jnp.bfloat16), jnp.full((b, e), m, jnp.int32))
+  assert len(calls) == 1 and "stablehlo.while" in text
+  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{e}x{m}x{h}"

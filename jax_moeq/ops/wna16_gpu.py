@@ -381,13 +381,16 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       activation_kind=np.int64(activation_kind), has_zeros=weights.has_zeros,
       has_bias=weights.has_bias, act_order=weights.act_order, mainloop=np.int64(mainloop_id),
       one_token=one_token)
+  # The standard format's vmap rule folds tokens (fused_marlin_moe); the batched format's calls
+  # run one per batch element.
+  vmap_method = "sequential" if batched else None
   if out_init is None:
-    call = jax.ffi.ffi_call(FFI_TARGET, results)
+    call = jax.ffi.ffi_call(FFI_TARGET, results, vmap_method=vmap_method)
   else:
     if out_init.shape != out_shape or out_init.dtype != dt:
       raise ValueError(f"out_init must be {out_shape} {dt}, got {out_init.shape} {out_init.dtype}")
     operands.append(out_init)
-    call = jax.ffi.ffi_call(FFI_TARGET_INTO, results,
+    call = jax.ffi.ffi_call(FFI_TARGET_INTO, results, vmap_method=vmap_method,
                             input_output_aliases={len(operands) - 1: 0})
   return call(*operands, **kwargs)[0]
 
