@@ -166,7 +166,7 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
                    " floats (rows * 2I, then rows * I / 16 counters at one token) when split13 > 1");
   }
   if (static_cast<int64_t>(ws2->element_count()) < cuda::Wna16MoeWs2Floats(p)) {
-    return Invalid("ws2 scratch must hold rows * H + H / 32 floats");
+    return Invalid("ws2 scratch must hold rows * H + tokens * (H / 32) floats");
   }
 
   p.x = x.untyped_data();
