@@ -755,6 +755,10 @@ static __global__ void __launch_bounds__(1024)
     if (init.counters) InitTokenArrivals(topk_ids, num_pairs, experts, init, 1);
     return;
   }
+  // This thread's first pair id, loaded before the initialization so that its memory latency
+  // overlaps it rather than following it (at decode the whole kernel is a few latencies long).
+  const int first_id = static_cast<int>(threadIdx.x) < num_pairs ? topk_ids[threadIdx.x] : -1;
+  auto pair_id = [&](int i) { return i == static_cast<int>(threadIdx.x) ? first_id : topk_ids[i]; };
   extern __shared__ int32_t shared[];
   int32_t* counts = shared;
   int32_t* cursor = shared + experts;
@@ -763,7 +767,7 @@ static __global__ void __launch_bounds__(1024)
   for (int i = threadIdx.x; i < max_blocks; i += blockDim.x) expert_ids[i] = -1;
   __syncthreads();
   for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-    const int e = topk_ids[i];
+    const int e = pair_id(i);
     if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
   }
   __syncthreads();
@@ -809,7 +813,7 @@ static __global__ void __launch_bounds__(1024)
   }
   __syncthreads();  // expert_ids written before any later reader (next kernel) anyway
   for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-    const int e = topk_ids[i];
+    const int e = pair_id(i);
     if (e >= 0 && e < experts) sorted_ids[atomicAdd(&cursor[e], 1)] = i;
   }
 }
