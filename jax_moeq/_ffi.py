@@ -61,15 +61,26 @@ def cpu_module():
   return _cpu_ffi
 
 
-def cpu_library_available() -> bool:
+def _loads(load, errors: tuple[type[BaseException], ...]) -> bool:
+  """Whether `load()` succeeds; a stale library (not an absent one) is logged once, as the
+  oracle then falls back to another backend."""
   try:
-    cpu_module()
+    load()
   except StaleLibraryError as e:
     _warn_once(str(e))
     return False
-  except NativeLibraryError:
+  except errors:
     return False
   return True
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+  logger.warning("%s", message)
+
+
+def cpu_library_available() -> bool:
+  return _loads(cpu_module, (NativeLibraryError,))
 
 
 def _cuda_library_path() -> Path | None:
@@ -120,20 +131,7 @@ def load_cuda_library(path: Path) -> ctypes.CDLL:
 
 
 def cuda_library_available() -> bool:
-  try:
-    cuda_library()
-  except StaleLibraryError as e:
-    _warn_once(str(e))
-    return False
-  except (NativeLibraryError, OSError, AttributeError):
-    return False
-  return True
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-  # A stale library is not an absent one: the oracle falls back to another backend, and says why.
-  logger.warning("%s", message)
+  return _loads(cuda_library, (NativeLibraryError, OSError, AttributeError))
 
 
 def cuda_compute_capability() -> tuple[int, int] | None:

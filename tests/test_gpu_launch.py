@@ -85,16 +85,25 @@ def test_default_mainloop_follows_measurements():
   assert launch.default_mainloop("mxint4", 32) == "registers"
 
 
-def _ffi_call_line(fn, *args):
-  """The one custom call of fn's lowered module (no GPU needed)."""
+def _custom_calls(fn, *args):
+  """(the custom-call lines of fn's lowered module, its whole text); no GPU needed."""
   text = jax.jit(fn).lower(*args).as_text()
-  return next(l for l in text.splitlines() if "stablehlo.custom_call" in l)
+  return [l for l in text.splitlines() if "stablehlo.custom_call" in l], text
+
+
+def _ffi_call_line(fn, *args):
+  """The (first) custom call of fn's lowered module."""
+  return _custom_calls(fn, *args)[0][0]
+
+
+def _result_shapes(line):
+  """Result tensor shapes ("16x256") of one custom-call line."""
+  return re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", line.split("->")[-1])
 
 
 def _ffi_result_shapes(fn, *args):
-  """Result tensor types of the one custom call in fn's lowered module."""
-  line = _ffi_call_line(fn, *args)
-  return re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", line.split("->")[-1])
+  """Result tensor shapes of the one custom call in fn's lowered module."""
+  return _result_shapes(_ffi_call_line(fn, *args))
 
 
 def _wna16_weights(e, h, i, act_order):
@@ -110,6 +119,16 @@ def _wna16_weights(e, h, i, act_order):
       "MARLIN", int4.pack_uint4b8_gptq(q13), int4.pack_uint4b8_gptq(q2),
       jnp.full((e, h // 64, 2 * i), 0.01, jnp.bfloat16),
       jnp.full((e, i // 64, h), 0.01, jnp.bfloat16), group_size=64, **g_idx)
+
+
+def _mxint4_weights(e, h, i):
+  from jax_moeq.ops import mxint4_gpu
+  q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
+  q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
+  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+      q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
+      q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
+  return [p[n] for n in mxint4_gpu.WEIGHT_KEYS]
 
 
 @pytest.mark.parametrize("act_order,block_m,x_perm_len", [
@@ -152,12 +171,7 @@ def test_mxint4_x_perm_scratch_follows_the_launch(block_m, x_perm_len):
   if not _ffi.cuda_library_available():
     pytest.skip("CUDA library not built (no nvcc at install)")
   e, h, i, t, k = 8, 128, 64, 64, 2
-  q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
-  q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
-  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
-      q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
-      q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
-  w = [p[n] for n in mxint4_gpu.WEIGHT_KEYS]
+  w = _mxint4_weights(e, h, i)
   shapes = _ffi_result_shapes(
       lambda x, logits: mxint4_gpu.mxint4_moe(x, logits, *w, num_experts=e, top_k=k,
                                               intermediate_size=i, local_num_experts=e,
@@ -209,33 +223,13 @@ def test_ws13_scratch_of_a_split_gemm1(t, ws13_len):
   assert shapes[6] == str(ws13_len)  # out, sorted_ids, expert_ids, num_post_padded, x_perm, act
   # The path is Python's decision, passed to the handler (which checks it).
   assert f"one_token = {str(t == 1).lower()}" in _ffi_call_line(*call)
-  q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
-  q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
-  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
-      q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
-      q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
+  mw = _mxint4_weights(e, h, i)
   call = (lambda x, logits: mxint4_gpu.mxint4_moe(
-      x, logits, *[p[n] for n in mxint4_gpu.WEIGHT_KEYS], num_experts=e, top_k=k,
-      intermediate_size=i, local_num_experts=e),
+      x, logits, *mw, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e),
           jnp.ones((t, h), jnp.bfloat16), jnp.zeros((t, e), jnp.float32))
   shapes = _ffi_result_shapes(*call)
   assert shapes[8] == str(ws13_len)  # out, ids, weights, local ids, sorted, blocks, padded, act
   assert f"one_token = {str(t == 1).lower()}" in _ffi_call_line(*call)
-
-
-def _mxint4_weights(e, h, i):
-  from jax_moeq.ops import mxint4_gpu
-  q13 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, 2 * i, h), jnp.int8))
-  q2 = mxint4_gpu.int8_to_signed_nibbles(jnp.ones((e, h, i), jnp.int8))
-  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
-      q13, jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
-      q2, jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
-  return [p[n] for n in mxint4_gpu.WEIGHT_KEYS]
-
-
-def _custom_calls(fn, *args):
-  text = jax.jit(fn).lower(*args).as_text()
-  return [l for l in text.splitlines() if "stablehlo.custom_call" in l], text
 
 
 @pytest.mark.parametrize("with_out_init", [False, True])
@@ -257,7 +251,7 @@ def test_vmap_of_token_sets_is_one_call(with_out_init):
   calls, _ = _custom_calls(jax.vmap(wna16), jnp.ones((b, t, h), jnp.bfloat16),
                            jnp.zeros((b, t, k), jnp.int32), *extra)
   assert len(calls) == 1
-  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{b * t}x{h}"
+  assert _result_shapes(calls[0])[0] == f"{b * t}x{h}"
   assert "one_token = false" in calls[0]
   mw = _mxint4_weights(e, h, i)
 
@@ -268,7 +262,7 @@ def test_vmap_of_token_sets_is_one_call(with_out_init):
   calls, _ = _custom_calls(jax.vmap(mxint4), jnp.ones((b, t, h), jnp.bfloat16),
                            jnp.zeros((b, t, e), jnp.float32), *extra)
   assert len(calls) == 1
-  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{b * t}x{h}"
+  assert _result_shapes(calls[0])[0] == f"{b * t}x{h}"
 
 
 def test_vmap_with_per_batch_weights_runs_in_sequence():
@@ -284,7 +278,7 @@ def test_vmap_with_per_batch_weights_runs_in_sequence():
           x, logits, *w, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e)),
       jnp.ones((b, t, h), jnp.bfloat16), jnp.zeros((b, t, e), jnp.float32), *stacked)
   assert len(calls) == 1 and "stablehlo.while" in text
-  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{t}x{h}"
+  assert _result_shapes(calls[0])[0] == f"{t}x{h}"
 
 
 def test_vmap_of_the_batched_format_runs_in_sequence():
@@ -298,4 +292,4 @@ def test_vmap_of_the_batched_format_runs_in_sequence():
       jax.vmap(lambda x, n: wna16_gpu.batched_fused_marlin_moe(x, n, w)),
       jnp.ones((b, e, m, h), jnp.bfloat16), jnp.full((b, e), m, jnp.int32))
   assert len(calls) == 1 and "stablehlo.while" in text
-  assert re.findall(r"tensor<([0-9x]+)x[a-z0-9]+>", calls[0].split("->")[-1])[0] == f"{e}x{m}x{h}"
+  assert _result_shapes(calls[0])[0] == f"{e}x{m}x{h}"

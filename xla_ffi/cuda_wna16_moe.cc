@@ -60,8 +60,7 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
                         bool batched, int64_t hidden_size, int64_t intermediate_size,
                         int64_t groups13, int64_t groups2, int64_t block_m, int64_t split13,
                         int64_t split2, int64_t activation_kind, bool has_zeros, bool has_bias,
-                        bool act_order, int64_t mainloop,
-    bool one_token) {
+                        bool act_order, int64_t mainloop, bool one_token) {
   cuda::Wna16MoeProblem p;
   switch (x.element_type()) {
     case ffi::BF16: p.dtype = cuda::HalfKind::kBF16; break;
@@ -161,9 +160,11 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
     return Invalid("x_perm scratch must hold " + std::to_string(perm_rows * H) +
                    " elements (act-order or block_m 128)");
   }
-  if (static_cast<int64_t>(ws13->element_count()) < cuda::Wna16MoeWs13Floats(p)) {
-    return Invalid("ws13 scratch must hold " + std::to_string(cuda::Wna16MoeWs13Floats(p)) +
-                   " floats (rows * 2I, then rows * I / 16 counters at one token) when split13 > 1");
+  if (const int64_t floats = cuda::Wna16MoeWs13Floats(p);
+      static_cast<int64_t>(ws13->element_count()) < floats) {
+    return Invalid("ws13 scratch must hold " + std::to_string(floats) +
+                   " floats (rows * 2I, then rows * I / 16 counters at one token) when "
+                   "split13 > 1");
   }
   if (static_cast<int64_t>(ws2->element_count()) < cuda::Wna16MoeWs2Floats(p)) {
     return Invalid("ws2 scratch must hold rows * H + tokens * (H / 32) floats");
@@ -260,8 +261,7 @@ ffi::Error Wna16MoeIntoImpl(
     ffi::Result<ffi::AnyBuffer> ws13, ffi::Result<ffi::AnyBuffer> ws2, bool batched,
     int64_t hidden_size, int64_t intermediate_size, int64_t groups13, int64_t groups2,
     int64_t block_m, int64_t split13, int64_t split2, int64_t activation_kind, bool has_zeros,
-    bool has_bias, bool act_order, int64_t mainloop,
-    bool one_token) {
+    bool has_bias, bool act_order, int64_t mainloop, bool one_token) {
   return Wna16MoeImpl(stream, x, route_ids, route_weights, w13, s13, z13, b13, w2, s2, z2, b2,
                       perm13, inv_perm2, out, sorted_ids, expert_ids, num_post_padded, x_perm,
                       act, ws13, ws2, batched, hidden_size, intermediate_size, groups13, groups2,
