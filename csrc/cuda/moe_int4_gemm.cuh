@@ -113,6 +113,37 @@ inline int64_t Gemm1WorkspaceFloats(int64_t rows, int64_t n, int split13, bool o
   return rows * n + (one_token ? rows * (n / 32) : 0);
 }
 
+// GEMM2's arguments from GEMM1's (same rows, alignment, block_m, main loop, one-token pairs):
+// input GEMM1's act [rows][k], f32 rows [rows][n] into ws; GEMM1's epilogue fields cleared.
+inline MoeGemmArgs Gemm2ArgsAfter(const MoeGemmArgs& g1, const uint4* w, const uint32_t* scales,
+                                  const uint32_t* zeros, int n, int k, int groups, int splits,
+                                  float* ws) {
+  MoeGemmArgs g2 = g1;
+  g2.x = g1.act;
+  g2.ld_x = k;
+  g2.in_div = 1;
+  g2.w = w;
+  g2.scales = scales;
+  g2.zeros = zeros;
+  g2.n = n;
+  g2.k = k;
+  g2.groups = groups;
+  g2.units = n / 32;
+  g2.unit_mult = 2;
+  g2.sub_stride = 1;
+  g2.splits = splits;
+  g2.chunks_per_split = (k / 64 + splits - 1) / splits;
+  g2.epilogue = EpilogueKind::kF32Store;
+  g2.ws = ws;
+  g2.act_col = nullptr;
+  g2.bias = nullptr;
+  g2.clear = nullptr;
+  g2.clear_count = 0;
+  g2.act_arrivals = nullptr;
+  g2.dependent_launch = true;
+  return g2;
+}
+
 // The one-token path's part of GEMM1's arguments: block b computes pair b of `pair_experts` and
 // the kernel clears GEMM2's workspace `ws2` (rows x n2 accumulators and the counters after them).
 // When GEMM1 splits K (g1.ws and g1.n set), it counts arrivals after ws's rows x n accumulators.
