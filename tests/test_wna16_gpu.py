@@ -421,8 +421,8 @@ def test_vmap_of_token_sets_matches_separate_calls():
 
 @pytest.mark.parametrize("block_m", [8, 16, 64])
 def test_tokens_without_a_valid_expert_are_zero(block_m):
-  """Aligned path (T > 1): GEMM2's fused finalize never hears from a token whose ids are all out
-  of range, so the alignment zeroes its output row (NaN-poisoned here)."""
+  """Aligned path (T > 1): a token whose ids are all out of range has no GEMM2 row; the finalize
+  still writes its output row, as zeros (NaN-poisoned here)."""
   weights, (w13, w2, b13, b2) = _build(11, 8, 256, 256, 128, jnp.bfloat16)
   topk_w, topk_ids = _routing(11, 6, 8, 2)
   bad_ids = topk_ids.at[1].set(99).at[4].set(120)

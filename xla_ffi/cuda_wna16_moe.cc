@@ -167,7 +167,7 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
                    "split13 > 1");
   }
   if (static_cast<int64_t>(ws2->element_count()) < cuda::Wna16MoeWs2Floats(p)) {
-    return Invalid("ws2 scratch must hold rows * H + tokens * (H / 32) floats");
+    return Invalid("ws2 scratch must hold rows * H + H / 32 floats");
   }
 
   p.x = x.untyped_data();

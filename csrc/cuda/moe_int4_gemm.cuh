@@ -62,18 +62,10 @@ struct MoeGemmArgs {
   // GEMM1 of such a call clears GEMM2's accumulators and arrival counters (clear_count floats).
   float* clear = nullptr;
   int64_t clear_count = 0;
-  // GEMM2 of such a call, and of an aligned standard-format call below block_m 128
-  // (FusesAlignedFinalize), finalizes in its epilogue: each warp arrives once per pair row of its
-  // block and split, and the warp whose arrival completes a token's unit of 32 columns writes
-  // out[t][n] = round(sum_k round((ws[t*K+k][n] + out_bias[e][n]) * topk_weights[t*K+k])) for
-  // them. One token: every block arrives (each holds one pair, with or without an expert) into
-  // counters GEMM1 zeroed, so the last ticket is K x splits - 1. Aligned: only valid pairs have
-  // rows; the alignment sets each counter to -(valid pairs x splits), so the last ticket is -1,
-  // and zeroes the output of tokens without a valid pair (nobody arrives for them).
-  int32_t* token_arrivals = nullptr;  // [tokens][units]
-  int last_ticket = -1;
-  // The finalize's pair ids (ids outside [0, experts) contribute nothing): topk_ids or local ids.
-  const int32_t* finalize_ids = nullptr;
+  // GEMM2 of such a call finalizes in its epilogue: the warp that completes a unit's 32 columns
+  // last (every block and split has added into ws) writes out[t][n] = round(sum_k
+  // round((ws[t*K+k][n] + out_bias[e][n]) * topk_weights[t*K+k])) for them.
+  int32_t* arrivals = nullptr;   // [units], zero at launch
   const float* topk_weights = nullptr;
   const float* out_bias = nullptr;  // [E][n] or null
   void* out = nullptr;           // [rows / top_k][n] T
@@ -96,16 +88,8 @@ struct MoeGemmArgs {
 inline bool DecodesWithoutAlignment(bool standard, bool act_order, int64_t tokens, int block_m) {
   return standard && !act_order && tokens == 1 && block_m == 8;
 }
-// Floats of GEMM2's workspace: rows x n accumulators, then one arrival counter per token and 32
-// columns (the fused finalize: one-token path or aligned standard format).
-inline int64_t Gemm2WorkspaceFloats(int64_t rows, int64_t n, int64_t tokens) {
-  return rows * n + tokens * (n / 32);
-}
-// Whether GEMM2 of an aligned call finalizes (MoeGemmArgs::token_arrivals): standard format and
-// the mma.sync GEMM (block_m < 128; the wgmma GEMM keeps the finalize launch).
-inline bool FusesAlignedFinalize(bool standard, bool one_token, int block_m) {
-  return standard && !one_token && block_m < 128;
-}
+// Floats of GEMM2's workspace: rows x n accumulators, then one arrival counter per 32 columns.
+inline int64_t Gemm2WorkspaceFloats(int64_t rows, int64_t n) { return rows * n + n / 32; }
 // Floats of GEMM1's split-K workspace (n = 2I columns): rows x n accumulators, then, on the
 // one-token path, one arrival counter per pair and unit of 16 activation columns; 0 unsplit.
 inline int64_t Gemm1WorkspaceFloats(int64_t rows, int64_t n, int split13, bool one_token) {
@@ -152,7 +136,7 @@ inline void SetOneTokenGemm1(MoeGemmArgs& g1, const int32_t* pair_experts, int e
   g1.pair_experts = pair_experts;
   g1.experts = experts;
   g1.clear = ws2;
-  g1.clear_count = Gemm2WorkspaceFloats(rows, n2, 1);
+  g1.clear_count = Gemm2WorkspaceFloats(rows, n2);
   if (g1.splits > 1) {
     g1.act_arrivals = reinterpret_cast<int32_t*>(g1.ws + rows * g1.n);
     g1.dependent_launch = false;  // it follows ClearOneTokenGemm1Workspace's memset
@@ -169,24 +153,7 @@ inline cudaError_t ClearOneTokenGemm1Workspace(const MoeGemmArgs& g1, int64_t ro
 // arrivals in the counters after ws's rows x n accumulators.
 inline void SetOneTokenGemm2(MoeGemmArgs& g2, int64_t rows, const float* topk_weights,
                              const float* out_bias, void* out, int top_k) {
-  g2.token_arrivals = reinterpret_cast<int32_t*>(g2.ws + rows * g2.n);
-  g2.last_ticket = static_cast<int>(rows) * g2.splits - 1;
-  g2.finalize_ids = g2.pair_experts;
-  g2.topk_weights = topk_weights;
-  g2.out_bias = out_bias;
-  g2.out = out;
-  g2.top_k = top_k;
-}
-
-// ... and of an aligned GEMM2 that finalizes (FusesAlignedFinalize; g2.ws and g2.n set): pairs'
-// ids `finalize_ids` (out of [0, experts): no contribution), counters after ws's accumulators.
-inline void SetAlignedFinalizeGemm2(MoeGemmArgs& g2, int64_t rows, const int32_t* finalize_ids,
-                                    int experts, const float* topk_weights,
-                                    const float* out_bias, void* out, int top_k) {
-  g2.token_arrivals = reinterpret_cast<int32_t*>(g2.ws + rows * g2.n);
-  g2.last_ticket = -1;
-  g2.finalize_ids = finalize_ids;
-  g2.experts = experts;
+  g2.arrivals = reinterpret_cast<int32_t*>(g2.ws + rows * g2.n);
   g2.topk_weights = topk_weights;
   g2.out_bias = out_bias;
   g2.out = out;
@@ -398,38 +365,22 @@ __device__ __forceinline__ void ArriveAndActivate(const MoeGemmArgs& p, int pair
   StoreActivation<T, false>(p, expert, n, pair, __ldcg(row + n), __ldcg(row + p.n / 2 + n));
 }
 
-// GEMM2's fused finalize (MoeGemmArgs::token_arrivals): this warp has stored (or added) its rows
-// of unit `unit` into ws; it arrives once for each pair row of block `blk`, and for each token
-// whose unit it completes, the whole warp reduces the token's 32 columns.
-template <typename T, int MT>
-__device__ __forceinline__ void ArriveAndFinalize(const MoeGemmArgs& p, int blk, int unit,
-                                                        int lane) {
-  constexpr int kBlockM = MT * 8;
-  __threadfence();  // this lane's stores are visible before its warp's arrivals
+// GEMM2's fused finalize (MoeGemmArgs::arrivals): this warp has added its part of unit `unit`
+// into ws; the warp that arrives last for the unit (one arrival per block and split) reduces its
+// 32 columns over each token's pairs, as FinalizeStandardKernel does.
+template <typename T>
+__device__ __forceinline__ void ArriveAndFinalize(const MoeGemmArgs& p, int unit, int lane) {
+  __threadfence();  // this lane's adds are visible before its warp's arrival
   __syncwarp();
-#pragma unroll
-  for (int slot0 = 0; slot0 < kBlockM; slot0 += 32) {
-    const int slot = slot0 + lane;
-    int token = -1;  // the token this lane's arrival completed, if any
-    if (slot < kBlockM) {
-      const int id = BlockRow(p, blk, kBlockM, slot);
-      if (id < p.num_rows) {
-        const int t = id / p.top_k;
-        if (atomicAdd(p.token_arrivals + static_cast<int64_t>(t) * p.units + unit, 1) ==
-            p.last_ticket) {
-          token = t;
-        }
-      }
-    }
-    uint32_t done = __ballot_sync(0xffffffffu, token >= 0);
-    if (done) __threadfence();  // and the other warps' stores before the reads (from L2)
-    while (done) {
-      const int src = __ffs(done) - 1;
-      done &= done - 1;
-      const int t = __shfl_sync(0xffffffffu, token, src);
-      FinalizeTokenColumn<T>(p.ws, p.finalize_ids, p.experts, p.topk_weights, p.out_bias, p.top_k,
-                             p.n, t, unit * 32 + lane, p.out);
-    }
+  int ticket = 0;
+  if (lane == 0) ticket = atomicAdd(p.arrivals + unit, 1);
+  ticket = __shfl_sync(0xffffffffu, ticket, 0);
+  if (ticket != static_cast<int>(gridDim.x * gridDim.z) - 1) return;
+  __threadfence();  // and the others' adds before the reads (from L2)
+  const int tokens = p.num_rows / p.top_k;
+  for (int t = 0; t < tokens; ++t) {
+    FinalizeTokenColumn<T>(p.ws, p.pair_experts, p.experts, p.topk_weights, p.out_bias, p.top_k,
+                           p.n, t, unit * 32 + lane, p.out);
   }
 }
 
@@ -721,9 +672,8 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
       if (p.act_arrivals) ArriveAndActivate<T>(p, blockIdx.x, unit, lane, expert);
     }
   }
-  // Every block arrives for its pair rows: one token's pair without an expert still counts; an
-  // aligned block without work has none.
-  if (p.token_arrivals) ArriveAndFinalize<T, MT>(p, blockIdx.x, unit, lane);
+  // A block without work still arrives: the unit's count includes every block and split.
+  if (p.arrivals) ArriveAndFinalize<T>(p, unit, lane);
 }
 
 // Standard format: sorted_ids lists pair ids p = t*K + k grouped by expert,
@@ -740,50 +690,16 @@ __device__ __forceinline__ void ZeroWorkspaces(float* ws_a, int64_t count_a, flo
   for (int64_t i = first; i < count_b; i += stride) ws_b[i] = 0.0f;
 }
 
-// What the alignment launch prepares for GEMM2's fused finalize (MoeGemmArgs::token_arrivals).
-struct TokenArrivalInit {
-  int32_t* counters = nullptr;  // [pairs / top_k][units]; null: GEMM2 does not finalize
-  int top_k = 1;
-  int units = 0;                // GEMM2's 32-column units
-  int per_pair = 1;             // arrivals per valid pair and unit: GEMM2's splits
-  void* out = nullptr;          // [pairs / top_k][units * 32], 16-bit
-};
-
-// Counter of token t and unit u <- -(valid pairs of t x per_pair); a token without a valid pair
-// gets no arrival, so its output columns are zeroed here. Threads of the blocks after `skip`.
-__device__ __forceinline__ void InitTokenArrivals(const int32_t* ids, int num_pairs, int experts,
-                                                  const TokenArrivalInit& init, int skip) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x - skip) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x - skip) * blockDim.x + threadIdx.x;
-  const int64_t entries = static_cast<int64_t>(num_pairs / init.top_k) * init.units;
-  for (int64_t i = first; i < entries; i += stride) {
-    const int64_t t = i / init.units;
-    int valid = 0;
-    for (int k = 0; k < init.top_k; ++k) {
-      const int e = __ldg(ids + t * init.top_k + k);
-      valid += e >= 0 && e < experts;
-    }
-    init.counters[i] = -valid * init.per_pair;
-    if (valid == 0) {  // 32 16-bit columns: 16 words
-      uint4* cols = reinterpret_cast<uint4*>(static_cast<uint16_t*>(init.out) + i * 32);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) cols[w] = make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// Block 0 aligns; blocks 1.. zero the workspaces (counts may be 0) and set up the fused
-// finalize's counters (init.counters set).
+// Block 0 aligns; blocks 1.. zero the workspaces (counts may be 0).
 static __global__ void __launch_bounds__(1024)
     AlignStandardKernel(const int32_t* topk_ids, int num_pairs, int experts, int block_m,
                         int max_padded, int max_blocks, int32_t* sorted_ids, int32_t* expert_ids,
                         int32_t* num_post_padded, float* ws_a = nullptr, int64_t count_a = 0,
-                        float* ws_b = nullptr, int64_t count_b = 0, TokenArrivalInit init = {}) {
+                        float* ws_b = nullptr, int64_t count_b = 0) {
   WaitForPriorGrids();
   AllowDependentGrids();
   if (blockIdx.x > 0) {
     ZeroWorkspaces(ws_a, count_a, ws_b, count_b, 1);
-    if (init.counters) InitTokenArrivals(topk_ids, num_pairs, experts, init, 1);
     return;
   }
   // This thread's first pair id, loaded before the initialization so that its memory latency

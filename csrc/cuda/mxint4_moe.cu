@@ -84,7 +84,7 @@ int64_t MxInt4MoeWs13Floats(const MxInt4MoeProblem& p) {
 }
 
 int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p) {
-  return Gemm2WorkspaceFloats(p.tokens * p.top_k, p.hidden, p.tokens);
+  return Gemm2WorkspaceFloats(p.tokens * p.top_k, p.hidden);
 }
 
 std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
@@ -155,24 +155,14 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   // split-K workspaces. At one token (DecodesWithoutAlignment) neither: each pair is its own
   // block, GEMM1 clears ws2 and a memset clears a split GEMM1's ws13.
   const bool direct = p.one_token;
-  // GEMM2 finalizes (mma.sync GEMM2): the alignment sets its counters.
-  const bool fused_finalize = FusesAlignedFinalize(true, direct, p.block_m);
-  TokenArrivalInit arrivals;
-  if (fused_finalize) {
-    arrivals.counters = reinterpret_cast<int32_t*>(p.ws2 + static_cast<int64_t>(rows) * H);
-    arrivals.top_k = static_cast<int>(p.top_k);
-    arrivals.units = H / 32;
-    arrivals.per_pair = p.split2;
-    arrivals.out = p.out;
-  }
   if (!direct) {
     const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
-    const int zero_blocks = (zero13 + zero2) > 0 || fused_finalize ? kZeroBlocks : 0;
+    const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
     LaunchAfterPrior(AlignStandardKernel, dim3(1 + zero_blocks), dim3(1024),
                      2 * L * sizeof(int32_t), stream, p.local_ids, rows, L, p.block_m,
                      max_padded, max_blocks, p.sorted_ids, p.expert_ids, p.num_post_padded,
-                     p.ws13, zero13, p.ws2, zero2, arrivals);
+                     p.ws13, zero13, p.ws2, zero2);
     err = CudaError("alignment kernel");
     if (!err.empty()) return err;
   }
@@ -243,14 +233,11 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
                                   I / kGroupSize, p.split2, p.ws2);
   if (direct) {  // GEMM2 finalizes (5. below)
     SetOneTokenGemm2(g2, rows, p.topk_weights, nullptr, p.out, static_cast<int>(p.top_k));
-  } else if (fused_finalize) {
-    SetAlignedFinalizeGemm2(g2, rows, p.local_ids, L, p.topk_weights, nullptr, p.out,
-                            static_cast<int>(p.top_k));
   }
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
-  if (direct || fused_finalize) return "";
+  if (direct) return "";
 
   // 5. Top-k weights and reduction over k.
   const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);

@@ -66,7 +66,7 @@ struct MxInt4MoeProblem {
   int32_t* num_post_padded = nullptr;  // [1]
   void* act = nullptr;               // bf16 [T*K, I]
   float* ws13 = nullptr;             // [T*K, 2I] (split13 > 1), then counters (MxInt4MoeWs13Floats)
-  float* ws2 = nullptr;              // [T*K, H], then T x H / 32 int32 counters (MxInt4MoeWs2Floats)
+  float* ws2 = nullptr;              // [T*K, H], then H / 32 int32 counters (MxInt4MoeWs2Floats)
   void* x_perm = nullptr;            // bf16 [T, H]: x in logical chunk order (block_m 128)
 };
 
@@ -77,8 +77,8 @@ int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p);
 // Floats of ws13 (0 when GEMM1 is unsplit): GEMM1's split-K f32 rows (T*K x 2I), then, on the
 // one-token decode path, the fused activation's arrival counters (T*K x I / 16).
 int64_t MxInt4MoeWs13Floats(const MxInt4MoeProblem& p);
-// Floats of ws2: GEMM2's f32 rows (T*K x H), then the fused finalize's arrival counters
-// (T x H / 32; the wgmma GEMM2 does not use them).
+// Floats of ws2: GEMM2's f32 rows (T*K x H), then the fused finalize's arrival counters (H / 32)
+// of the one-token decode path.
 int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p);
 
 // Shape and routing-argument rules; empty string when fine.

@@ -84,20 +84,10 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   // (DecodesWithoutAlignment) neither: each pair is its own block, GEMM1 clears ws2 and a memset
   // clears a split GEMM1's ws13.
   const bool direct = p.one_token;
-  // GEMM2 finalizes (aligned standard format, mma.sync GEMM2): the alignment sets its counters.
-  const bool fused_finalize = FusesAlignedFinalize(!p.batched, direct, p.block_m);
-  TokenArrivalInit arrivals;
-  if (fused_finalize) {
-    arrivals.counters = reinterpret_cast<int32_t*>(p.ws2 + rows * H);
-    arrivals.top_k = static_cast<int>(p.top_k);
-    arrivals.units = H / 32;
-    arrivals.per_pair = p.split2;
-    arrivals.out = p.out;
-  }
   if (!direct) {  // (the batched format never takes the one-token path)
     const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
-    const int zero_blocks = (zero13 + zero2) > 0 || fused_finalize ? kZeroBlocks : 0;
+    const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
     if (p.batched) {
       const int threads = 256;
       const int blocks = std::max(1, static_cast<int>((max_padded + threads - 1) / threads));
@@ -108,7 +98,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
       AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * E * sizeof(int32_t), stream>>>(
           p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
           static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13,
-          zero13, p.ws2, zero2, arrivals);
+          zero13, p.ws2, zero2);
     }
   }
   std::string err = CudaError("alignment kernel");
@@ -195,16 +185,13 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const float* b2 = p.has_bias ? p.b2 : nullptr;
   if (direct) {  // GEMM2 finalizes (5. below)
     SetOneTokenGemm2(g2, rows, p.topk_weights, b2, p.out, static_cast<int>(p.top_k));
-  } else if (fused_finalize) {
-    SetAlignedFinalizeGemm2(g2, rows, p.topk_ids, E, p.topk_weights, b2, p.out,
-                            static_cast<int>(p.top_k));
   }
   LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 
   // 5. Bias, top-k weights, reduction over k.
-  if (direct || fused_finalize) {
+  if (direct) {
     return "";
   } else if (p.batched) {
     const dim3 grid((H + 255) / 256, static_cast<int>(rows));
@@ -245,7 +232,7 @@ int64_t Wna16MoeWs13Floats(const Wna16MoeProblem& p) {
 }
 
 int64_t Wna16MoeWs2Floats(const Wna16MoeProblem& p) {
-  return Gemm2WorkspaceFloats(Wna16MoeRows(p), p.hidden, p.tokens);
+  return Gemm2WorkspaceFloats(Wna16MoeRows(p), p.hidden);
 }
 
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {

@@ -55,7 +55,7 @@ struct Wna16MoeProblem {
   void* x_perm = nullptr;        // [R, H] (act_order)
   void* act = nullptr;           // [R, I]
   float* ws13 = nullptr;         // [R, 2I] (split13 > 1), then counters (Wna16MoeWs13Floats)
-  float* ws2 = nullptr;          // [R, H], then T x H / 32 int32 counters (Wna16MoeWs2Floats)
+  float* ws2 = nullptr;          // [R, H], then H / 32 int32 counters (Wna16MoeWs2Floats)
 };
 
 // Rows R of the per-pair buffers (T*K or E*M), padded sorted length and blocks.

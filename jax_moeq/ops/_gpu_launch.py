@@ -113,11 +113,10 @@ def choose_gemm_splits(busy_blocks: int, hidden: int, intermediate: int, block_m
   return split13, split2
 
 
-def gemm2_workspace_floats(rows: int, hidden: int, tokens: int) -> int:
+def gemm2_workspace_floats(rows: int, hidden: int) -> int:
   """Length of the f32 ws2 scratch (Gemm2WorkspaceFloats in csrc/cuda/moe_int4_gemm.cuh): GEMM2's
-  rows x hidden accumulators, then one arrival counter per token and 32 columns for GEMM2's fused
-  finalize (the one-token path, and the aligned standard format below block_m 128)."""
-  return rows * hidden + tokens * (hidden // 32)
+  rows x hidden accumulators, then one arrival counter per 32 columns for the one-token path."""
+  return rows * hidden + hidden // 32
 
 
 def decodes_without_alignment(tokens: int, block_m: int, *, batched: bool = False,

@@ -366,8 +366,7 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
       jax.ShapeDtypeStruct((pairs * i,), jnp.bfloat16),   # act
       jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(pairs, i, split13, one_token),),
                            jnp.float32),                  # ws13
-      jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(pairs, h, t),),
-                           jnp.float32),                  # ws2
+      jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(pairs, h),), jnp.float32),  # ws2
       jax.ShapeDtypeStruct((t * h if block_m == _gpu_launch.WGMMA_BLOCK_M else 1,),
                            jnp.bfloat16),                 # x_perm
   ]

@@ -369,10 +369,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       jax.ShapeDtypeStruct((max(rows, 1) * i,), dt),
       jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(rows, i, split13, one_token),),
                            jnp.float32),
-      jax.ShapeDtypeStruct(
-          (_gpu_launch.gemm2_workspace_floats(max(rows, 1), h,
-                                              max_tokens if batched else x.shape[0]),),
-          jnp.float32),
+      jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(max(rows, 1), h),), jnp.float32),
   ]
   operands = [x, route_ids, route_weights, weights.w13, weights.w13_scales, weights.w13_zeros,
               weights.w13_bias, weights.w2, weights.w2_scales, weights.w2_zeros, weights.w2_bias,
