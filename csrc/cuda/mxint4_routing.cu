@@ -88,8 +88,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
   const int t = blockIdx.x * kWarpsPerCta + warp;
   if (t >= a.tokens) return;  // whole warps exit together
   const int E = a.experts;
-  float* score = shared + static_cast<size_t>(warp) * 2 * E;
+  float* score = shared + static_cast<size_t>(warp) * (2 * E + kMxInt4MaxTopK);
   float* choice = score + E;  // the values top-k is taken over
+  int* chosen = reinterpret_cast<int*>(choice + E);
 
   // 1. Logits (f32) -> score (the weights' source) and choice.
   for (int i = lane; i < E; i += 32) {
@@ -152,44 +153,47 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
     }
   }
 
-  // 3. Top-k rounds; lane r keeps the r-th choice (K <= 32 = kMxInt4MaxTopK).
-  int my_id = -1;
+  // 3. Top-k rounds.
   for (int r = 0; r < a.top_k; ++r) {
     const int best = WarpArgmax(choice, E, excluded, lane);
     if ((best & 31) == lane) excluded |= 1u << (best >> 5);
-    if (lane == r) my_id = best;
+    if (lane == 0) chosen[r] = best;
   }
+  __syncwarp();
 
-  // 4. Weights: lane k < K computes choice k's, with warp sums for the norms (a serial loop over
-  // k on lane 0, an expf and a division each, was most of the kernel's time at E = 128, K = 8).
+  // 4. Weights, by lane 0 (k is small).
+  if (lane != 0) return;
   const int K = a.top_k;
-  const bool mine = lane < K;
-  const float s = mine ? score[my_id] : 0.0f;
   float norm = 1.0f, top = 0.0f;
   if (method == MxInt4Routing::kRenormalize) {
-    top = __shfl_sync(0xffffffffu, s, 0);  // the largest chosen logit
-    norm = WarpSum(mine ? expf(s - top) : 0.0f);
+    top = score[chosen[0]];  // the largest chosen logit
+    norm = 0.0f;
+    for (int k = 0; k < K; ++k) norm += expf(score[chosen[k]] - top);
   } else if (method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kRenormalizeNaive ||
              method == MxInt4Routing::kSigmoidRenorm || method == MxInt4Routing::kMiniMax2) {
-    norm = WarpSum(s);
+    norm = 0.0f;
+    for (int k = 0; k < K; ++k) norm += score[chosen[k]];
     if (method == MxInt4Routing::kMiniMax2) norm += 1e-20f;
   }
-  if (!mine) return;
-  float w;
-  switch (method) {
-    case MxInt4Routing::kRenormalize: w = expf(s - top) / norm; break;
-    case MxInt4Routing::kDeepSeekV3:
-    case MxInt4Routing::kMiniMax2: w = s / norm * a.scale; break;
-    case MxInt4Routing::kLlama4: w = Sigmoid(s); break;
-    case MxInt4Routing::kRenormalizeNaive:
-    case MxInt4Routing::kSigmoidRenorm: w = s / norm; break;
-    default: w = s; break;  // Default (softmax prob.), TopK (logit), Sigmoid
+  for (int k = 0; k < K; ++k) {
+    const int id = chosen[k];
+    const float s = score[id];
+    float w;
+    switch (method) {
+      case MxInt4Routing::kRenormalize: w = expf(s - top) / norm; break;
+      case MxInt4Routing::kDeepSeekV3:
+      case MxInt4Routing::kMiniMax2: w = s / norm * a.scale; break;
+      case MxInt4Routing::kLlama4: w = Sigmoid(s); break;
+      case MxInt4Routing::kRenormalizeNaive:
+      case MxInt4Routing::kSigmoidRenorm: w = s / norm; break;
+      default: w = s; break;  // Default (softmax prob.), TopK (logit), Sigmoid
+    }
+    const int64_t at = static_cast<int64_t>(t) * K + k;
+    a.topk_ids[at] = id;
+    a.topk_weights[at] = w;
+    const int local = id - a.local_offset;
+    a.local_ids[at] = (local >= 0 && local < a.local_experts) ? local : -1;
   }
-  const int64_t at = static_cast<int64_t>(t) * K + lane;
-  a.topk_ids[at] = my_id;
-  a.topk_weights[at] = w;
-  const int local = my_id - a.local_offset;
-  a.local_ids[at] = (local >= 0 && local < a.local_experts) ? local : -1;
 }
 
 }  // namespace
@@ -212,7 +216,7 @@ std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream) {
   a.topk_ids = p.topk_ids;
   a.topk_weights = p.topk_weights;
   a.local_ids = p.local_ids;
-  const size_t smem = kWarpsPerCta * 2 * p.num_experts * sizeof(float);
+  const size_t smem = kWarpsPerCta * (2 * p.num_experts + kMxInt4MaxTopK) * sizeof(float);
   const int blocks = static_cast<int>((p.tokens + kWarpsPerCta - 1) / kWarpsPerCta);
   MxInt4RoutingKernel<<<blocks, kWarpsPerCta * 32, smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
