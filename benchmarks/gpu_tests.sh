@@ -27,5 +27,15 @@ wait
 for s in $(seq 0 $((SHARDS - 1))); do
   echo "shard $s: $(grep -E "passed|failed|error" "$OUT/tests_$s.log" | tail -1) ($(tail -1 "$OUT/tests_$s.log"))"
 done
-grep -hE "^(FAILED|ERROR)" "$OUT"/tests_*.log
+# A failure under contention (six processes share one GPU's memory) is told from a real one by
+# running the failed ids again in one process; both outcomes are printed.
+mapfile -t failed < <(grep -hE "^(FAILED|ERROR) " "$OUT"/tests_*.log | awk '{print $2}')
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed in the shards: ${failed[*]}"
+  grep -hE "^E  " "$OUT"/tests_*.log | grep -vE "^E +\+" | sort | uniq -c | sort -rn | head -8 | cut -c1-200
+  echo "== the failed ids again, in one process"
+  timeout "${RERUN_TIMEOUT:-240}" "$PY" -m pytest -q --tb=short -p no:cacheprovider "${failed[@]}" \
+    >"$OUT/rerun.log" 2>&1
+  grep -E "^E  |passed|failed" "$OUT/rerun.log" | grep -vE "^E +\+" | tail -12 | cut -c1-200
+fi
 echo "tests: $(( $(date +%s) - start )) s"
