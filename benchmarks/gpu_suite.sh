@@ -42,18 +42,21 @@ from jax_moeq.ops import wna16_gpu
 from jax_moeq.quant import int4
 e, h, i, t, k = 8, 256, 128, 5, 2
 kq = jax.random.split(jax.random.PRNGKey(0), 6)
-q13 = jax.random.randint(kq[0], (e, 2 * i, h), -8, 8).astype(jnp.int8)
-q2 = jax.random.randint(kq[1], (e, h, i), -8, 8).astype(jnp.int8)
+def weights(hidden, **g_idx):
+  """Random int4 experts of this hidden size in the MARLIN layout (group 64)."""
+  q13 = jax.random.randint(kq[0], (e, 2 * i, hidden), -8, 8).astype(jnp.int8)
+  q2 = jax.random.randint(kq[1], (e, hidden, i), -8, 8).astype(jnp.int8)
+  return wna16_gpu.convert_to_wna16_moe_kernel_format(
+      "MARLIN", int4.pack_uint4b8_gptq(q13), int4.pack_uint4b8_gptq(q2),
+      jnp.full((e, hidden // 64, 2 * i), 0.01, jnp.bfloat16),
+      jnp.full((e, i // 64, hidden), 0.01, jnp.bfloat16), group_size=64, **g_idx)
 for act_order, batched, block_m in ((False, False, None), (True, False, None), (False, True, None),
                                     (False, False, 128), (True, False, 128), (False, True, 128)):
   gi = dict(w13_g_idx=jax.random.permutation(kq[2], jnp.tile(jnp.arange(h) // 64, (e, 1)), axis=1,
                                              independent=True),
             w2_g_idx=jax.random.permutation(kq[3], jnp.tile(jnp.arange(i) // 64, (e, 1)), axis=1,
                                             independent=True)) if act_order else {}
-  w = wna16_gpu.convert_to_wna16_moe_kernel_format(
-      "MARLIN", int4.pack_uint4b8_gptq(q13), int4.pack_uint4b8_gptq(q2),
-      jnp.full((e, h // 64, 2 * i), 0.01, jnp.bfloat16), jnp.full((e, i // 64, h), 0.01, jnp.bfloat16),
-      group_size=64, **gi)
+  w = weights(h, **gi)
   if batched:
     x = jax.random.normal(kq[4], (e, 3, h)).astype(jnp.bfloat16)
     y = wna16_gpu.batched_fused_marlin_moe(x, jnp.arange(e, dtype=jnp.int32) % 4, w,
@@ -63,6 +66,11 @@ for act_order, batched, block_m in ((False, False, None), (True, False, None), (
     ids = jax.random.randint(kq[5], (t, k), 0, e)
     y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids, block_m=block_m)
   print("case", act_order, batched, block_m, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+# Aligned path whose GEMM2 finalizes: token 0 has no valid pair (its output is zeroed).
+x = jax.random.normal(kq[4], (t, h)).astype(jnp.bfloat16)
+ids = jax.random.randint(kq[5], (t, k), 0, e).at[0].set(99)
+y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids)
+print("case token without a valid pair", bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 # One token (the decode path without alignment; GEMM2 finalizes), with a foreign expert id.
 x1 = jax.random.normal(kq[4], (1, h)).astype(jnp.bfloat16)
 for ids in ([[1, 6]], [[3, 99]]):
@@ -70,12 +78,7 @@ for ids in ([[1, 6]], [[3, 99]]):
   print("case one token", ids, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 # One token with GEMM1 split (H = 2048: 8 ways; ws13's memset and GEMM1's fused activation).
 hs = 2048
-q13s = jax.random.randint(kq[5], (e, 2 * i, hs), -8, 8).astype(jnp.int8)
-q2s = jax.random.randint(kq[5], (e, hs, i), -8, 8).astype(jnp.int8)
-ws = wna16_gpu.convert_to_wna16_moe_kernel_format(
-    "MARLIN", int4.pack_uint4b8_gptq(q13s), int4.pack_uint4b8_gptq(q2s),
-    jnp.full((e, hs // 64, 2 * i), 0.01, jnp.bfloat16), jnp.full((e, i // 64, hs), 0.01, jnp.bfloat16),
-    group_size=64)
+ws = weights(hs)
 xs = jax.random.normal(kq[4], (1, hs)).astype(jnp.bfloat16)
 for ids in ([[1, 6]], [[3, 99]]):
   y = wna16_gpu.fused_marlin_moe(xs, ws, jnp.full((1, k), 0.5), jnp.array(ids, jnp.int32))

@@ -53,12 +53,15 @@ from jax_moeq.ops import mxint4_gpu
 from jax_moeq.routing import RoutingMethodType as RM
 e, h, i, t, k = 16, 128, 64, 5, 4
 kq = jax.random.split(jax.random.PRNGKey(0), 6)
-q13 = jax.random.randint(kq[0], (e, 2 * i, h), -8, 8).astype(jnp.int8)
-q2 = jax.random.randint(kq[1], (e, h, i), -8, 8).astype(jnp.int8)
-p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
-    mxint4_gpu.int8_to_signed_nibbles(q13), jnp.full((e, 2 * i, h // 32), 0.01, jnp.bfloat16),
-    mxint4_gpu.int8_to_signed_nibbles(q2), jnp.full((e, h, i // 32), 0.01, jnp.bfloat16))
-w = [p[n] for n in mxint4_gpu.WEIGHT_KEYS]
+def weights(hidden):
+  """The kernel's weight arrays of random int4 experts of this hidden size."""
+  nib = lambda key, shape: mxint4_gpu.int8_to_signed_nibbles(
+      jax.random.randint(key, shape, -8, 8).astype(jnp.int8))
+  p = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+      nib(kq[0], (e, 2 * i, hidden)), jnp.full((e, 2 * i, hidden // 32), 0.01, jnp.bfloat16),
+      nib(kq[1], (e, hidden, i)), jnp.full((e, hidden, i // 32), 0.01, jnp.bfloat16))
+  return [p[n] for n in mxint4_gpu.WEIGHT_KEYS]
+w = weights(h)
 x = jax.random.normal(kq[2], (t, h)).astype(jnp.bfloat16)
 logits = jax.random.normal(kq[3], (t, e))
 bias = jax.random.normal(kq[4], (e,)) * 0.1
@@ -83,12 +86,7 @@ for method, kw, local, rank in ((RM.Renormalize, {}, e, 0), (RM.Renormalize, {},
         bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 # One token with GEMM1 split (H = 2048: 8 ways; ws13's memset and GEMM1's fused activation).
 hs = 2048
-ps = mxint4_gpu.prepare_static_weights_for_mxint4_moe(
-    mxint4_gpu.int8_to_signed_nibbles(jax.random.randint(kq[5], (e, 2 * i, hs), -8, 8).astype(jnp.int8)),
-    jnp.full((e, 2 * i, hs // 32), 0.01, jnp.bfloat16),
-    mxint4_gpu.int8_to_signed_nibbles(jax.random.randint(kq[5], (e, hs, i), -8, 8).astype(jnp.int8)),
-    jnp.full((e, hs, i // 32), 0.01, jnp.bfloat16))
-wsplit = [ps[n] for n in mxint4_gpu.WEIGHT_KEYS]
+wsplit = weights(hs)
 xs = jax.random.normal(kq[2], (1, hs)).astype(jnp.bfloat16)
 for local, rank in ((e, 0), (e // 4, 1)):
   y = mxint4_gpu.mxint4_moe(xs, logits[:1], *[a[rank * local:(rank + 1) * local] for a in wsplit],

@@ -196,6 +196,24 @@ def test_vmap_of_token_sets_matches_separate_calls():
   assert _rel(got, want) <= 5e-3  # one bf16 ulp is 2^-8 relative
 
 
+def test_tokens_without_a_local_expert_are_zero():
+  """Aligned path: a token none of whose experts is on this rank has no GEMM2 row; the finalize
+  still writes its output row, as zeros (NaN-poisoned here)."""
+  e, k, h, i, t, ranks, rank = 64, 2, 256, 128, 32, 8, 3
+  prepared, canon = _experts(7, e, h, i)
+  x, logits, _ = _inputs(7, t, e, h)
+  local = e // ranks
+  out, ids, _ = _run_poisoned(prepared, x, logits, e=e, k=k, i=i, local=local, ep_rank=rank,
+                              routing_method=RM.Renormalize)
+  ids = np.asarray(ids)
+  on_rank = ((ids >= rank * local) & (ids < (rank + 1) * local)).any(axis=1)
+  assert on_rank.any() and not on_rank.all()  # both kinds of token occur
+  assert (np.asarray(out.astype(jnp.float32))[~on_rank] == 0).all()
+  ref = _reference(canon, x, logits, e=e, k=k, local=local, ep_rank=rank,
+                   routing_method=RM.Renormalize)
+  assert _rel(out, ref) <= TOL
+
+
 @pytest.mark.parametrize("name,e,k,h,i,method", [
     ("Qwen3-30B-A3B", 128, 8, 2048, 768, RM.RenormalizeNaive),
     ("DeepSeek-V2-Lite", 64, 6, 2048, 1408, RM.Default),

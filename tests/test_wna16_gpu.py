@@ -419,6 +419,22 @@ def test_vmap_of_token_sets_matches_separate_calls():
   assert _rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= RELAUNCH_TOL
 
 
+@pytest.mark.parametrize("block_m", [8, 16, 64])
+def test_tokens_without_a_valid_expert_are_zero(block_m):
+  """Aligned path (T > 1): a token whose ids are all out of range has no GEMM2 row; the finalize
+  still writes its output row, as zeros (NaN-poisoned here)."""
+  weights, (w13, w2, b13, b2) = _build(11, 8, 256, 256, 128, jnp.bfloat16)
+  topk_w, topk_ids = _routing(11, 6, 8, 2)
+  bad_ids = topk_ids.at[1].set(99).at[4].set(120)
+  x = jax.random.normal(jax.random.PRNGKey(12), (6, 256), jnp.float32).astype(jnp.bfloat16)
+  poison = jnp.full((6, 256), jnp.nan, jnp.bfloat16)
+  got = np.asarray(wna16_gpu.fused_marlin_moe(x, weights, topk_w, bad_ids, block_m=block_m,
+                                              out_init=poison).astype(jnp.float32))
+  assert (got[[1, 4]] == 0).all()
+  want = _reference_standard(x, bad_ids, topk_w, w13, w2, b13, b2, kind=0, dtype=jnp.bfloat16)
+  assert _rel(got, want) <= TOL
+
+
 def test_jit_matches_eager():
   weights, _ = _build(6, 8, 256, 512, 64, jnp.float16)
   topk_w, topk_ids = _routing(6, 2, 8, 2)

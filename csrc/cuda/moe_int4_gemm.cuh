@@ -97,6 +97,37 @@ inline int64_t Gemm1WorkspaceFloats(int64_t rows, int64_t n, int split13, bool o
   return rows * n + (one_token ? rows * (n / 32) : 0);
 }
 
+// GEMM2's arguments from GEMM1's (same rows, alignment, block_m, main loop, one-token pairs):
+// input GEMM1's act [rows][k], f32 rows [rows][n] into ws; GEMM1's epilogue fields cleared.
+inline MoeGemmArgs Gemm2ArgsAfter(const MoeGemmArgs& g1, const uint4* w, const uint32_t* scales,
+                                  const uint32_t* zeros, int n, int k, int groups, int splits,
+                                  float* ws) {
+  MoeGemmArgs g2 = g1;
+  g2.x = g1.act;
+  g2.ld_x = k;
+  g2.in_div = 1;
+  g2.w = w;
+  g2.scales = scales;
+  g2.zeros = zeros;
+  g2.n = n;
+  g2.k = k;
+  g2.groups = groups;
+  g2.units = n / 32;
+  g2.unit_mult = 2;
+  g2.sub_stride = 1;
+  g2.splits = splits;
+  g2.chunks_per_split = (k / 64 + splits - 1) / splits;
+  g2.epilogue = EpilogueKind::kF32Store;
+  g2.ws = ws;
+  g2.act_col = nullptr;
+  g2.bias = nullptr;
+  g2.clear = nullptr;
+  g2.clear_count = 0;
+  g2.act_arrivals = nullptr;
+  g2.dependent_launch = true;
+  return g2;
+}
+
 // The one-token path's part of GEMM1's arguments: block b computes pair b of `pair_experts` and
 // the kernel clears GEMM2's workspace `ws2` (rows x n2 accumulators and the counters after them).
 // When GEMM1 splits K (g1.ws and g1.n set), it counts arrivals after ws's rows x n accumulators.
@@ -252,9 +283,14 @@ __device__ __forceinline__ int BlockExpert(const MoeGemmArgs& p, int blk, int bl
     const int e = __ldg(p.pair_experts + blk);
     return e >= 0 && e < p.experts ? e : -1;
   }
-  if (blk * block_m >= __ldg(p.num_post_padded)) return -1;
-  if (__ldg(p.sorted_ids + blk * block_m) >= p.num_rows) return -1;
-  return __ldg(p.expert_ids + blk);
+  // Three independent loads, in bounds for every block of the grid (sorted_ids holds max_blocks *
+  // block_m ids, expert_ids max_blocks): issued together they cost one latency instead of three
+  // in a row, at the head of every CTA's critical path (before its first weight load).
+  const int padded = __ldg(p.num_post_padded);
+  const int first = __ldg(p.sorted_ids + blk * block_m);
+  const int expert = __ldg(p.expert_ids + blk);
+  if (blk * block_m >= padded || first >= p.num_rows) return -1;
+  return expert;
 }
 
 // Pair row of slot `slot` of expert block `blk` (>= num_rows: padding).
@@ -666,6 +702,10 @@ static __global__ void __launch_bounds__(1024)
     ZeroWorkspaces(ws_a, count_a, ws_b, count_b, 1);
     return;
   }
+  // This thread's first pair id, loaded before the initialization so that its memory latency
+  // overlaps it rather than following it (at decode the whole kernel is a few latencies long).
+  const int first_id = static_cast<int>(threadIdx.x) < num_pairs ? topk_ids[threadIdx.x] : -1;
+  auto pair_id = [&](int i) { return i == static_cast<int>(threadIdx.x) ? first_id : topk_ids[i]; };
   extern __shared__ int32_t shared[];
   int32_t* counts = shared;
   int32_t* cursor = shared + experts;
@@ -674,7 +714,7 @@ static __global__ void __launch_bounds__(1024)
   for (int i = threadIdx.x; i < max_blocks; i += blockDim.x) expert_ids[i] = -1;
   __syncthreads();
   for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-    const int e = topk_ids[i];
+    const int e = pair_id(i);
     if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
   }
   __syncthreads();
@@ -720,7 +760,7 @@ static __global__ void __launch_bounds__(1024)
   }
   __syncthreads();  // expert_ids written before any later reader (next kernel) anyway
   for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-    const int e = topk_ids[i];
+    const int e = pair_id(i);
     if (e >= 0 && e < experts) sorted_ids[atomicAdd(&cursor[e], 1)] = i;
   }
 }

@@ -227,25 +227,10 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   }
 
   // 4. GEMM2 into f32 rows.
-  MoeGemmArgs g2 = g1;
-  g2.act_arrivals = nullptr;
-  g2.dependent_launch = true;
-  g2.x = p.act;
-  g2.ld_x = I;
-  g2.in_div = 1;
-  g2.w = static_cast<const uint4*>(p.w2);
-  g2.scales = static_cast<const uint32_t*>(p.s2);
-  g2.n = H;
-  g2.k = I;
-  g2.groups = I / kGroupSize;
-  g2.units = H / 32;
-  g2.unit_mult = 2;
-  g2.sub_stride = 1;
-  g2.splits = p.split2;
-  g2.chunks_per_split = (I / 64 + p.split2 - 1) / p.split2;
-  g2.epilogue = EpilogueKind::kF32Store;
-  g2.ws = p.ws2;  // zeroed by the alignment launch when split, or by GEMM1 (direct)
-  g2.clear = nullptr;
+  // ws2 is zeroed by the alignment launch when split, or by GEMM1 (direct).
+  MoeGemmArgs g2 = Gemm2ArgsAfter(g1, static_cast<const uint4*>(p.w2),
+                                  static_cast<const uint32_t*>(p.s2), nullptr, H, I,
+                                  I / kGroupSize, p.split2, p.ws2);
   if (direct) {  // GEMM2 finalizes (5. below)
     SetOneTokenGemm2(g2, rows, p.topk_weights, nullptr, p.out, static_cast<int>(p.top_k));
   }
