@@ -93,18 +93,22 @@ PYEOF
 fi
 
 if has trace; then
-  # Per-kernel durations under ncu (benchmarks/layer_trace.py), one line of means per kernel.
-  # TRACE="op shape T; ..." (default: the small-expert decode shapes).
+  # Per-kernel durations under ncu (benchmarks/layer_trace.py), one line of means per kernel, also
+  # in $OUT/trace.log; the raw CSVs go into one archive, $OUT/trace_csv.tgz (a device call
+  # returns at most 8 files). TRACE="op shape T; ..." (default: the small-expert decode shapes).
+  raw=$(mktemp -d)
   IFS=';' read -ra specs <<<"${TRACE:-wna16 Qwen3-30B-A3B 1; wna16 Qwen3-30B-A3B 16; mxint4 Qwen3-30B-A3B 1; mxint4 Qwen3-30B-A3B 16}"
   for spec in "${specs[@]}"; do
     spec=$(echo $spec)  # trims the blanks around each entry
     name=$(echo $spec | tr ' ' '_')
     timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       -k "regex:Align|Finalize|MoeInt4|MxInt4|Permute" "$PY" benchmarks/layer_trace.py $spec \
-      >"$OUT/ncu_$name.csv" 2>"$OUT/ncu_$name.err"
+      >"$raw/ncu_$name.csv" 2>"$raw/ncu_$name.err"
     echo "== trace $spec"
-    "$PY" benchmarks/layer_trace.py --summary "$OUT/ncu_$name.csv" 2>&1 | cut -c1-110
-  done
+    "$PY" benchmarks/layer_trace.py --summary "$raw/ncu_$name.csv" 2>&1 | cut -c1-110
+    [ "${PIPESTATUS[0]}" = 0 ] || tail -3 "$raw/ncu_$name.err"
+  done 2>&1 | tee -a "$OUT/trace.log"
+  tar czf "$OUT/trace_csv.tgz" -C "$raw" . && rm -rf "$raw"
 fi
 
 if has bench; then

@@ -2,7 +2,9 @@
 # Every GPU test in one device call: one pytest process runs past a call's 600 s (most of it is
 # XLA compiling and the jnp references), so the collected node ids are dealt round-robin to
 # SHARDS processes that share the GPU (XLA's allocator grows on demand) and the machine's cores.
-# Expects the CUDA library built (benchmarks/gpu_suite.sh STAGES=build, or carried).
+# Expects the CUDA library built (benchmarks/gpu_suite.sh STAGES=build, or carried). The shards'
+# scratch stays in a temporary folder; $OUT gets one file, tests.log (a device call returns at
+# most 8 files).
 #   SHARDS=4 FILES="tests/test_wna16_gpu.py" TEST_ARGS='-k "one_token"' TEST_TIMEOUT=500
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,31 +13,34 @@ SHARDS=${SHARDS:-4}
 PY=${PYTHON:-python3}
 FILES=${FILES:-"tests/test_wna16_gpu.py tests/test_mxint4_gpu.py tests/test_wna16_layout.py"}
 mkdir -p "$OUT"
+WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 start=$(date +%s)
 eval "\"$PY\" -m pytest $FILES ${TEST_ARGS:-} --collect-only -q -p no:cacheprovider" 2>&1 |
-  grep "::" >"$OUT/ids.txt"
-echo "$(wc -l <"$OUT/ids.txt") tests in $SHARDS shards"
+  grep "::" >"$WORK/ids.txt"
+echo "$(wc -l <"$WORK/ids.txt") tests in $SHARDS shards"
 for s in $(seq 0 $((SHARDS - 1))); do
-  awk -v n="$SHARDS" -v s="$s" 'NR % n == s' "$OUT/ids.txt" >"$OUT/shard_$s.txt"
-  (mapfile -t ids <"$OUT/shard_$s.txt"
+  awk -v n="$SHARDS" -v s="$s" 'NR % n == s' "$WORK/ids.txt" >"$WORK/shard_$s.txt"
+  (mapfile -t ids <"$WORK/shard_$s.txt"
    [ ${#ids[@]} -gt 0 ] && timeout "${TEST_TIMEOUT:-500}" "$PY" -m pytest -q -rfEs \
-     -p no:cacheprovider "${ids[@]}" >"$OUT/tests_$s.log" 2>&1
-   echo "rc=$?" >>"$OUT/tests_$s.log") &
+     -p no:cacheprovider "${ids[@]}" >"$WORK/tests_$s.log" 2>&1
+   echo "rc=$?" >>"$WORK/tests_$s.log") &
 done
 wait
 for s in $(seq 0 $((SHARDS - 1))); do
-  echo "shard $s: $(grep -E "passed|failed|error" "$OUT/tests_$s.log" | tail -1) ($(tail -1 "$OUT/tests_$s.log"))"
+  echo "shard $s: $(grep -E "passed|failed|error" "$WORK/tests_$s.log" | tail -1) ($(tail -1 "$WORK/tests_$s.log"))"
 done
 # A failure under contention (six processes share one GPU's memory) is told from a real one by
 # running the failed ids again in one process; both outcomes are printed.
-mapfile -t failed < <(grep -hE "^(FAILED|ERROR) " "$OUT"/tests_*.log | awk '{print $2}')
+mapfile -t failed < <(grep -hE "^(FAILED|ERROR) " "$WORK"/tests_*.log | awk '{print $2}')
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed in the shards: ${failed[*]}"
-  grep -hE "^E  " "$OUT"/tests_*.log | grep -vE "^E +\+" | sort | uniq -c | sort -rn | head -8 | cut -c1-200
+  grep -hE "^E  " "$WORK"/tests_*.log | grep -vE "^E +\+" | sort | uniq -c | sort -rn | head -8 | cut -c1-200
   echo "== the failed ids again, in one process"
   timeout "${RERUN_TIMEOUT:-240}" "$PY" -m pytest -q --tb=short -p no:cacheprovider "${failed[@]}" \
-    >"$OUT/rerun.log" 2>&1
-  grep -E "^E  |passed|failed" "$OUT/rerun.log" | grep -vE "^E +\+" | tail -12 | cut -c1-200
+    >"$WORK/rerun.log" 2>&1
+  grep -E "^E  |passed|failed" "$WORK/rerun.log" | grep -vE "^E +\+" | tail -12 | cut -c1-200
 fi
 echo "tests: $(( $(date +%s) - start )) s"
+cat "$WORK"/tests_*.log "$WORK"/rerun.log >"$OUT/tests.log" 2>/dev/null
+rm -rf "$WORK"

@@ -26,7 +26,9 @@ LAYERS = launch_probe.SETS
 def summarize(path: str):
   with open(path, newline="") as f:
     lines = f.read().splitlines()
-  header = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+  header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+  if header is None:  # ncu wrote no kernel table: it failed or traced nothing
+    sys.exit(f"no ncu kernel table in {path} (see the ncu log beside it)")
   rows = [r for r in csv.DictReader(lines[header:])
           if r["Metric Name"] == "gpu__time_duration.sum"]
   rows = rows[-len(rows) // CALLS:]
