@@ -226,6 +226,18 @@ def _check_routing(x: Array, topk_ids: Array, topk_weights: Array, num_experts: 
   return x, topk_ids.astype(jnp.int32), jnp.asarray(topk_weights).astype(jnp.float32)
 
 
+def _check_call(x: Array, topk_ids: Array, topk_weights: Array, num_experts: int, hidden: int,
+                activation_kind: int):
+  """The checks every fused-MoE reference makes of its call: the activation kind, the routing
+  (_check_routing) and x's hidden size against the weights'. Returns _check_routing's arrays."""
+  if activation_kind not in ACTIVATION_KINDS:
+    raise ValueError(f"activation_kind={activation_kind} is not one of {ACTIVATION_KINDS}")
+  x, topk_ids, topk_weights = _check_routing(x, topk_ids, topk_weights, num_experts)
+  if x.shape[1] != hidden:
+    raise ValueError(f"x has hidden size {x.shape[1]}, the weights {hidden}")
+  return x, topk_ids, topk_weights
+
+
 def _run_expert_blocks(topk_ids: Array, num_experts: int, out_features: int, out_dtype,
                        expert_fn) -> Array:
   """Runs `expert_fn(e, pairs [B], rows_valid [B]) -> [B, out_features]` over expert blocks.
@@ -347,11 +359,7 @@ def fused_moe_w4a8(x: Array, topk_ids: Array, topk_weights: Array, w13_q: Array,
   _check_bias("w2_scale", w2_scale, (e, h, i // g2))
   _check_bias("w13_bias", w13_bias, (e, i2))
   _check_bias("w2_bias", w2_bias, (e, h))
-  if activation_kind not in ACTIVATION_KINDS:
-    raise ValueError(f"activation_kind={activation_kind} is not one of {ACTIVATION_KINDS}")
-  x, topk_ids, topk_weights = _check_routing(x, topk_ids, topk_weights, e)
-  if x.shape[1] != h:
-    raise ValueError(f"x has hidden size {x.shape[1]}, the weights {h}")
+  x, topk_ids, topk_weights = _check_call(x, topk_ids, topk_weights, e, h, activation_kind)
   t, k = topk_ids.shape
   if t * k == 0:
     return _zeros_like_tokens(x)
@@ -412,11 +420,7 @@ def fused_moe_float(x: Array, topk_ids: Array, topk_weights: Array, w13: Array, 
   """
   w13, w2 = _check_float_experts(w13, w2, w13_bias, w2_bias)
   e, _, h = w13.shape
-  if activation_kind not in ACTIVATION_KINDS:
-    raise ValueError(f"activation_kind={activation_kind} is not one of {ACTIVATION_KINDS}")
-  x, topk_ids, topk_weights = _check_routing(x, topk_ids, topk_weights, e)
-  if x.shape[1] != h:
-    raise ValueError(f"x has hidden size {x.shape[1]}, the weights {h}")
+  x, topk_ids, topk_weights = _check_call(x, topk_ids, topk_weights, e, h, activation_kind)
   t, k = topk_ids.shape
   if t * k == 0:
     return _zeros_like_tokens(x)
@@ -446,11 +450,7 @@ def fused_moe_ragged_dot(x: Array, topk_ids: Array, topk_weights: Array, w13: Ar
   """
   w13, w2 = _check_float_experts(w13, w2, w13_bias, w2_bias)
   e, _, h = w13.shape
-  if activation_kind not in ACTIVATION_KINDS:
-    raise ValueError(f"activation_kind={activation_kind} is not one of {ACTIVATION_KINDS}")
-  x, topk_ids, topk_weights = _check_routing(x, topk_ids, topk_weights, e)
-  if x.shape[1] != h:
-    raise ValueError(f"x has hidden size {x.shape[1]}, the weights {h}")
+  x, topk_ids, topk_weights = _check_call(x, topk_ids, topk_weights, e, h, activation_kind)
   t, k = topk_ids.shape
   if t * k == 0:
     return _zeros_like_tokens(x)
@@ -571,11 +571,7 @@ def fused_moe_wna16(x: Array, topk_ids: Array, topk_weights: Array, w13_q: Array
   g2 = _check_wna16_weights("w2", w2_q, w2_scale, w2_zeros, w2_g_idx, group_size, e, h, i)
   _check_bias("w13_bias", w13_bias, (e, i2))
   _check_bias("w2_bias", w2_bias, (e, h))
-  if activation_kind not in ACTIVATION_KINDS:
-    raise ValueError(f"activation_kind={activation_kind} is not one of {ACTIVATION_KINDS}")
-  x, topk_ids, topk_weights = _check_routing(x, topk_ids, topk_weights, e)
-  if x.shape[1] != h:
-    raise ValueError(f"x has hidden size {x.shape[1]}, the weights {h}")
+  x, topk_ids, topk_weights = _check_call(x, topk_ids, topk_weights, e, h, activation_kind)
   if topk_ids.size == 0:
     return _zeros_like_tokens(x)
   return _wna16_moe(x, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, g13, g2,

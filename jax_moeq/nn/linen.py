@@ -9,6 +9,7 @@ the quantized block keeps its pre-packed backend arrays in the "quantized" colle
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -47,15 +48,8 @@ class _LinenMoEBase(nn.Module):
 
   @property
   def spec(self) -> MoESpec:
-    return MoESpec(
-        num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
-        intermediate_size=self.intermediate_size, activation=self.activation,
-        renormalize=self.renormalize, scoring_func=self.scoring_func,
-        use_grouped_topk=self.use_grouped_topk, num_expert_group=self.num_expert_group,
-        topk_group=self.topk_group, e_score_correction_bias=self.e_score_correction_bias,
-        routed_scaling_factor=self.routed_scaling_factor,
-        apply_router_weight_on_input=self.apply_router_weight_on_input, use_bias=self.use_bias,
-        router=self.router)
+    # The attributes above are MoESpec's fields, under the same names.
+    return MoESpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MoESpec)})
 
   def _tokens_and_routing(self, spec: MoESpec, x, router_logits):
     if x.shape[-1] != spec.hidden_size:
