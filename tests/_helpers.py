@@ -1,15 +1,30 @@
 """Small numpy helpers shared by the quantization / routing / reference tests.
 
 Everything here is written independently of jax_moeq (numpy only, float32 where the op is
-float32), so that the tests compare two implementations.
+float32), so that the tests compare two implementations; `cuda_skip_reason` is the GPU test
+files' module-level skip.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 F32 = np.float32
+
+
+def cuda_skip_reason(library_available) -> str | None:
+  """Why a GPU test file cannot run here (no CUDA device for JAX, or `library_available()`
+  false: our CUDA library not built or the GPU below compute capability 9.0), or None."""
+  try:
+    if not jax.devices("cuda"):
+      return "no CUDA device visible to JAX"
+  except RuntimeError:
+    return "no CUDA device visible to JAX"
+  if not library_available():
+    return "CUDA library not built or GPU below compute capability 9.0"
+  return None
 
 
 def rel_err(got, want) -> float:

@@ -9,6 +9,7 @@ exactly (random f32 logits have no near-ties at the f32 rounding level of the sc
 weights agree to 1e-5 relative (expf / division rounding).
 """
 
+import _helpers
 import numpy as np
 import pytest
 
@@ -23,18 +24,7 @@ from jax_moeq.routing import RoutingMethodType as RM
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_reason():
-  try:
-    if not jax.devices("cuda"):
-      return "no CUDA device visible to JAX"
-  except RuntimeError:
-    return "no CUDA device visible to JAX"
-  if not mxint4_gpu.is_mxint4_moe_available():
-    return "CUDA library not built or GPU below compute capability 9.0"
-  return None
-
-
-_REASON = _gpu_reason()
+_REASON = _helpers.cuda_skip_reason(mxint4_gpu.is_mxint4_moe_available)
 if _REASON:
   pytest.skip(_REASON, allow_module_level=True)
 

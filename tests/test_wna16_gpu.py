@@ -11,6 +11,7 @@ summation order and the resulting rare 1-ulp flips at the rounding points.
 
 import functools
 
+import _helpers
 import numpy as np
 import pytest
 
@@ -23,18 +24,7 @@ from jax_moeq.quant import int4
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_reason():
-  try:
-    if not jax.devices("cuda"):
-      return "no CUDA device visible to JAX"
-  except RuntimeError:
-    return "no CUDA device visible to JAX"
-  if not wna16_gpu.wna16_gpu_available():
-    return "CUDA library not built or GPU below compute capability 9.0"
-  return None
-
-
-_REASON = _gpu_reason()
+_REASON = _helpers.cuda_skip_reason(wna16_gpu.wna16_gpu_available)
 if _REASON:
   pytest.skip(_REASON, allow_module_level=True)
 
