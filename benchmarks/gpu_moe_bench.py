@@ -163,31 +163,42 @@ def copy_bandwidth():
   return 2 * x.nbytes / sec
 
 
-def main():
+def argument_parser() -> argparse.ArgumentParser:
+  """The options both GPU MoE benchmarks take (this one and mxint4_bench.py)."""
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="T in {1, 64, 4096} only")
   ap.add_argument("--json", default=None)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--shapes", default=",".join(SHAPES))
   ap.add_argument("--tokens", default=None, help="comma-separated T values (overrides --quick)")
+  return ap
+
+
+def start(args) -> tuple[bool, float, tuple[int, ...]]:
+  """(torch usable, copy bandwidth in B/s, the T values) of a run; prints the device line."""
+  try:
+    import torch  # noqa: F401
+    have_torch = not args.no_torch and torch.cuda.is_available()
+  except Exception:  # pylint: disable=broad-except
+    have_torch = False
+  hbm = copy_bandwidth()
+  print(f"device: {jax.devices()[0].device_kind}; copy bandwidth (read+write) "
+        f"{hbm / 1e12:.2f} TB/s; torch: {'yes' if have_torch else 'no'}", flush=True)
+  tokens = (1, 64, 4096) if args.quick else TOKENS
+  if args.tokens:
+    tokens = tuple(int(v) for v in args.tokens.split(","))
+  return have_torch, hbm, tokens
+
+
+def main():
+  ap = argument_parser()
   ap.add_argument("--alt-mainloop", default="bulk_copy",
                   help="a second GEMM main loop timed beside the default (see _gpu_launch.MAINLOOPS)")
   ap.add_argument("--alt-block-m", type=int, default=None,
                   help="time the alternative with this block_m (e.g. 128: the wgmma GEMM) and the "
                        "default main loop instead of --alt-mainloop")
   args = ap.parse_args()
-  try:
-    import torch  # noqa: F401
-    have_torch = not args.no_torch and torch.cuda.is_available()
-  except Exception:  # pylint: disable=broad-except
-    have_torch = False
-  dev = jax.devices()[0]
-  hbm = copy_bandwidth()
-  print(f"device: {dev.device_kind}; copy bandwidth (read+write) {hbm / 1e12:.2f} TB/s; "
-        f"torch: {'yes' if have_torch else 'no'}", flush=True)
-  tokens = (1, 64, 4096) if args.quick else TOKENS
-  if args.tokens:
-    tokens = tuple(int(v) for v in args.tokens.split(","))
+  have_torch, hbm, tokens = start(args)
   alt_kw = (dict(block_m=args.alt_block_m) if args.alt_block_m else
             dict(mainloop=args.alt_mainloop))
   alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else f"mainloop={args.alt_mainloop!r}"
@@ -246,8 +257,8 @@ def main():
     del layers, w13_bf, w2_bf
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
-  print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
+      json.dump(dict(device=jax.devices()[0].device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  print(f"\n{jax.devices()[0].device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers (own weights and routing) in one jit; us1: one jit dispatch per call;"
         f" alt us: as us, {alt_name}; ragged us: one dispatch per layer (see ragged_time)")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "

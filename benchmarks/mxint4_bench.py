@@ -12,7 +12,6 @@ Run: python3 benchmarks/mxint4_bench.py [--quick] [--json PATH]
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,7 +30,6 @@ from jax_moeq.routing import RoutingMethodType  # noqa: E402
 import gpu_moe_bench as peers  # noqa: E402  (ragged_dot / torch baselines, timing)
 
 SHAPES = peers.SHAPES
-TOKENS = peers.TOKENS
 LOGIT_SETS = 8
 
 
@@ -60,29 +58,13 @@ def logit_sets(seed, t, e, k):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--quick", action="store_true", help="T in {1, 64, 4096} only")
-  ap.add_argument("--json", default=None)
-  ap.add_argument("--no-torch", action="store_true")
-  ap.add_argument("--shapes", default=",".join(SHAPES))
-  ap.add_argument("--tokens", default=None, help="comma-separated T values")
+  ap = peers.argument_parser()
   ap.add_argument("--no-peers", action="store_true", help="skip ragged_dot / torch")
   ap.add_argument("--alt-block-m", type=int, default=None,
                   help="time the 'alt' column with this block_m (e.g. 128: the wgmma GEMM) "
                        "instead of mainloop='async_ring'")
   args = ap.parse_args()
-  try:
-    import torch  # noqa: F401
-    have_torch = not args.no_torch and torch.cuda.is_available()
-  except Exception:  # pylint: disable=broad-except
-    have_torch = False
-  dev = jax.devices()[0]
-  hbm = peers.copy_bandwidth()
-  print(f"device: {dev.device_kind}; copy bandwidth (read+write) {hbm / 1e12:.2f} TB/s; "
-        f"torch: {'yes' if have_torch else 'no'}", flush=True)
-  tokens = (1, 64, 4096) if args.quick else TOKENS
-  if args.tokens:
-    tokens = tuple(int(v) for v in args.tokens.split(","))
+  have_torch, hbm, tokens = peers.start(args)
   if args.no_peers:
     have_torch = False
   alt_kw = dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring")
@@ -147,8 +129,8 @@ def main():
     del layers, w13_bf, w2_bf
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
-  print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
+      json.dump(dict(device=jax.devices()[0].device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {jax.devices()[0].device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print(f"us: per layer, {LOGIT_SETS} layers (own weights and logits) in one jit; us1: one jit dispatch "
         f"per call; alt us: as us, {alt_name}; ragged us: one dispatch per layer (see "
