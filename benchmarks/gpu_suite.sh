@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA library, run the WNA16 GPU tests, a
 # compute-sanitizer memcheck of a small case, and the benchmark. Logs go to $OUT (or /tmp).
-#   STAGES="build test memcheck bench" (default all; "trace" adds ncu per-kernel times, TRACE=...);
+#   STAGES="build test memcheck bench" (default all; "trace" adds ncu per-kernel times, TRACE=...;
+#   "stalls" one kernel's ncu stall reasons, STALL_KERNEL=... STALL_SPEC=...);
 #   BENCH_ARGS="--quick" etc.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,6 +110,17 @@ if has trace; then
     [ "${PIPESTATUS[0]}" = 0 ] || tail -3 "$raw/ncu_$name.err"
   done 2>&1 | tee -a "$OUT/trace.log"
   tar czf "$OUT/trace_csv.tgz" -C "$raw" . && rm -rf "$raw"
+fi
+
+if has stalls; then
+  # Why one kernel waits: ncu's warp-state (stall reasons), scheduler and source-counter sections
+  # for the first launch of kernels matching STALL_KERNEL in one traced layer, into
+  # $OUT/stalls.log. STALL_SPEC="op shape T" (default: MxInt4 routing at Qwen3 T=1).
+  timeout 180 ncu --section WarpStateStats --section SchedulerStats --section SourceCounters \
+    --section LaunchStats -k "regex:${STALL_KERNEL:-MxInt4Routing}" -c 1 \
+    "$PY" benchmarks/layer_trace.py ${STALL_SPEC:-mxint4 Qwen3-30B-A3B 1} >"$OUT/stalls.log" 2>&1
+  grep -E "Stall|stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Grid|Block" \
+    "$OUT/stalls.log" | head -40
 fi
 
 if has bench; then
