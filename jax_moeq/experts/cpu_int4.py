@@ -12,9 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_moeq.experts.base import GATED_ACTIVATIONS, MoEExperts
+from jax_moeq.experts.base import MoEExperts
 from jax_moeq.oracle.base import (
-    W4A8_WEIGHT_KEYS, MoEActivation, MoEConfig, MoEParallelConfig, QuantKey, RoutingMethodType,
+    W4A8_WEIGHT_KEYS, MoEActivation, MoEConfig, QuantKey, RoutingMethodType,
     kInt8DynamicTokenAsym,
 )
 
@@ -34,14 +34,6 @@ class CPUExpertsInt4(MoEExperts):
   @staticmethod
   def _supports_current_device(platform: str) -> bool:
     return platform == "cpu"
-
-  @staticmethod
-  def _supports_activation(activation: MoEActivation) -> bool:
-    return activation in GATED_ACTIVATIONS
-
-  @staticmethod
-  def _supports_parallel_config(parallel_config: MoEParallelConfig) -> bool:
-    return parallel_config.tp_size == 1 and parallel_config.ep_size == 1
 
   @staticmethod
   def _supports_quant_scheme(weight_key: QuantKey | None,
