@@ -314,14 +314,15 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
                 topk_group=topk_group, has_bias=has_bias,
                 routed_scaling_factor=routed_scaling_factor, block_m=block_m, mainloop=mainloop)
   token_args = (x, router_logits)
-  if out_init is not None:
+  has_out = out_init is not None
+  if has_out:
     if out_init.shape != (t, h) or out_init.dtype != jnp.bfloat16:
       raise ValueError(f"out_init must be {(t, h)} bfloat16, got {out_init.shape} "
                        f"{out_init.dtype}")
     token_args += (out_init,)
 
   def call(x, router_logits, *rest):
-    out_buffer, shared = (rest[0], rest[1:]) if len(rest) == 6 else (None, rest)
+    out_buffer, shared = (rest[0], rest[1:]) if has_out else (None, rest)
     return _mxint4_ffi(x, router_logits, out_buffer, *shared, **static)
 
   # Under vmap, token sets sharing the weights are one call (_token_batching).

@@ -434,11 +434,12 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     raise TypeError(f"topk_ids must be integer, got {topk_ids.dtype}")
   weights = _check_x_dtype(x, weights)
   token_args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32))
-  if out_init is not None:
+  has_out = out_init is not None
+  if has_out:
     token_args += (out_init,)
 
   def call(x, ids, w, *rest):
-    out_buffer, shared = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    out_buffer, shared = (rest[0], rest[1]) if has_out else (None, rest[0])
     return _call(x, ids, w, shared, batched=False, activation_kind=activation_kind,
                  block_m=block_m, out_init=out_buffer, mainloop=mainloop)
 
