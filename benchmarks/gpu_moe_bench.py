@@ -199,6 +199,7 @@ def main():
                        "default main loop instead of --alt-mainloop")
   args = ap.parse_args()
   have_torch, hbm, tokens = start(args)
+  dev = jax.devices()[0]
   alt_kw = (dict(block_m=args.alt_block_m) if args.alt_block_m else
             dict(mainloop=args.alt_mainloop))
   alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else f"mainloop={args.alt_mainloop!r}"
@@ -257,8 +258,8 @@ def main():
     del layers, w13_bf, w2_bf
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
-  print(f"\n{jax.devices()[0].device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
+      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers (own weights and routing) in one jit; us1: one jit dispatch per call;"
         f" alt us: as us, {alt_name}; ragged us: one dispatch per layer (see ragged_time)")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "

@@ -67,7 +67,7 @@ for act_order, batched, block_m in ((False, False, None), (True, False, None), (
     ids = jax.random.randint(kq[5], (t, k), 0, e)
     y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids, block_m=block_m)
   print("case", act_order, batched, block_m, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
-# Aligned path whose GEMM2 finalizes: token 0 has no valid pair (its output is zeroed).
+# Aligned path, token 0 without a valid pair (the finalize writes its row as zeros).
 x = jax.random.normal(kq[4], (t, h)).astype(jnp.bfloat16)
 ids = jax.random.randint(kq[5], (t, k), 0, e).at[0].set(99)
 y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids)

@@ -30,7 +30,7 @@ wait
 for s in $(seq 0 $((SHARDS - 1))); do
   echo "shard $s: $(grep -E "passed|failed|error" "$WORK/tests_$s.log" | tail -1) ($(tail -1 "$WORK/tests_$s.log"))"
 done
-# A failure under contention (six processes share one GPU's memory) is told from a real one by
+# A failure under contention (the shards share one GPU's memory) is told from a real one by
 # running the failed ids again in one process; both outcomes are printed.
 mapfile -t failed < <(grep -hE "^(FAILED|ERROR) " "$WORK"/tests_*.log | awk '{print $2}')
 if [ ${#failed[@]} -gt 0 ]; then

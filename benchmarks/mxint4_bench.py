@@ -65,6 +65,7 @@ def main():
                        "instead of mainloop='async_ring'")
   args = ap.parse_args()
   have_torch, hbm, tokens = peers.start(args)
+  dev = jax.devices()[0]
   if args.no_peers:
     have_torch = False
   alt_kw = dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring")
@@ -129,8 +130,8 @@ def main():
     del layers, w13_bf, w2_bf
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
-  print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {jax.devices()[0].device_kind}, copy "
+      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print(f"us: per layer, {LOGIT_SETS} layers (own weights and logits) in one jit; us1: one jit dispatch "
         f"per call; alt us: as us, {alt_name}; ragged us: one dispatch per layer (see "
