@@ -37,30 +37,9 @@ def _pytree(data_fields: list[str], meta_fields: list[str]):
                            meta_fields=meta_fields)
 
 
-class _ExpertShapes:
-  """Sizes read off an experts container's [E, 2I, H] w13 array (`_w13_array`), and whether it
-  has biases."""
-
-  @property
-  def num_experts(self) -> int:
-    return self._w13_array.shape[0]
-
-  @property
-  def hidden_size(self) -> int:
-    return self._w13_array.shape[2]
-
-  @property
-  def intermediate_size(self) -> int:
-    return self._w13_array.shape[1] // 2
-
-  @property
-  def has_bias(self) -> bool:
-    return self.w13_bias is not None or self.w2_bias is not None
-
-
 @_pytree(["w13", "w2", "w13_bias", "w2_bias"], [])
 @dataclasses.dataclass(frozen=True)
-class FloatMoEWeights(_ExpertShapes):
+class FloatMoEWeights:
   """Unquantized experts: w13 [E, 2I, H] (gate rows first, then up), w2 [E, H, I]."""
   w13: Array
   w2: Array
@@ -68,13 +47,25 @@ class FloatMoEWeights(_ExpertShapes):
   w2_bias: Array | None = None  # [E, H]
 
   @property
-  def _w13_array(self) -> Array:
-    return self.w13
+  def num_experts(self) -> int:
+    return self.w13.shape[0]
+
+  @property
+  def hidden_size(self) -> int:
+    return self.w13.shape[2]
+
+  @property
+  def intermediate_size(self) -> int:
+    return self.w13.shape[1] // 2
+
+  @property
+  def has_bias(self) -> bool:
+    return self.w13_bias is not None or self.w2_bias is not None
 
 
 @_pytree(["w13_q", "w13_scale", "w2_q", "w2_scale", "w13_bias", "w2_bias"], ["group_size"])
 @dataclasses.dataclass(frozen=True)
-class Int4MoEWeights(_ExpertShapes):
+class Int4MoEWeights:
   """Symmetric int4 experts, unpacked (SPEC §2).
 
   w13_q [E, 2I, H] int8 and w2_q [E, H, I] int8 hold values in [-8, 7];
@@ -90,8 +81,20 @@ class Int4MoEWeights(_ExpertShapes):
   w2_bias: Array | None = None
 
   @property
-  def _w13_array(self) -> Array:
-    return self.w13_q
+  def num_experts(self) -> int:
+    return self.w13_q.shape[0]
+
+  @property
+  def hidden_size(self) -> int:
+    return self.w13_q.shape[2]
+
+  @property
+  def intermediate_size(self) -> int:
+    return self.w13_q.shape[1] // 2
+
+  @property
+  def has_bias(self) -> bool:
+    return self.w13_bias is not None or self.w2_bias is not None
 
 
 @_pytree(["w13_packed", "w2_packed"], ["hidden_size", "intermediate_size", "group_size"])
