@@ -293,3 +293,45 @@ def test_vmap_of_the_batched_format_runs_in_sequence():
       jnp.ones((b, e, m, h), jnp.bfloat16), jnp.full((b, e), m, jnp.int32))
   assert len(calls) == 1 and "stablehlo.while" in text
   assert _result_shapes(calls[0])[0] == f"{e}x{m}x{h}"
+
+
+def test_l2_prefetch_choice_follows_the_budget_and_the_gemm(monkeypatch):
+  monkeypatch.setitem(launch.DEFAULT_L2_PREFETCH, "mxint4", 5)
+  budget = launch.L2_PREFETCH_BUDGET_BYTES
+  assert launch.choose_l2_prefetch("mxint4", 8, 8, budget // 8) == 5
+  assert launch.choose_l2_prefetch("mxint4", 8, 8, budget // 8 + 16) == 0  # past the budget
+  assert launch.choose_l2_prefetch("mxint4", 128, 1, 16) == 0  # the wgmma GEMM never prefetches
+  assert launch.expected_experts_hit(1, 128) == pytest.approx(1.0)
+  assert launch.expected_experts_hit(8, 128) == pytest.approx(7.78, abs=0.01)
+  assert launch.expected_experts_hit(128, 128) == pytest.approx(81.1, abs=0.1)
+  assert launch.expected_experts_hit(0, 128) == 0.0
+
+
+@pytest.mark.parametrize("scheme,flags", [("wna16", 4), ("wna16", -1), ("mxint4", 8),
+                                          ("mxint4", True), ("mxint4", 1.0)])
+def test_l2_prefetch_flags_outside_the_scheme_are_refused(scheme, flags):
+  with pytest.raises(ValueError, match="l2_prefetch must be a set of"):
+    launch.check_l2_prefetch(scheme, flags)
+
+
+def test_l2_prefetch_flags_reach_the_handler():
+  """An explicit l2_prefetch is the custom call's attribute; a bad one is refused at trace time
+  (the handlers refuse it too)."""
+  from jax_moeq import _ffi
+  from jax_moeq.ops import mxint4_gpu, wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  e, h, i, k = 8, 256, 256, 2
+  w = _wna16_weights(e, h, i, False)
+  args = jnp.ones((1, h), jnp.bfloat16), jnp.zeros((1, k), jnp.int32)
+  op = lambda flags: lambda x, ids: wna16_gpu.fused_marlin_moe(
+      x, w, jnp.full((1, k), 0.5), ids, l2_prefetch=flags)
+  assert "l2_prefetch = 3 : i64" in _ffi_call_line(op(3), *args)
+  with pytest.raises(ValueError, match="l2_prefetch"):
+    _ffi_call_line(op(4), *args)
+  mw = _mxint4_weights(e, h, i)
+  call = lambda x, logits: mxint4_gpu.mxint4_moe(
+      x, logits, *mw, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e,
+      l2_prefetch=5)
+  assert "l2_prefetch = 5 : i64" in _ffi_call_line(call, jnp.ones((1, h), jnp.bfloat16),
+                                                   jnp.zeros((1, e), jnp.float32))
