@@ -2,8 +2,7 @@
 # One call on the GPU machine: build the CUDA library, run the WNA16 GPU tests, a
 # compute-sanitizer memcheck of a small case, and the benchmark. Logs go to $OUT (or /tmp).
 #   STAGES="build test memcheck bench" (default all; "trace" adds ncu per-kernel times, TRACE=...;
-#   "stalls" one kernel's ncu stall reasons, STALL_KERNEL=... STALL_SPEC=...; "probe" launch
-#   variants timed in one process each, PROBES=...);
+#   "stalls" one kernel's ncu stall reasons, STALL_KERNEL=... STALL_SPEC=...);
 #   BENCH_ARGS="--quick" etc.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,11 +84,6 @@ xs = jax.random.normal(kq[4], (1, hs)).astype(jnp.bfloat16)
 for ids in ([[1, 6]], [[3, 99]]):
   y = wna16_gpu.fused_marlin_moe(xs, ws, jnp.full((1, k), 0.5), jnp.array(ids, jnp.int32))
   print("case one token, GEMM1 split", ids, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
-# Both L2 prefetch flags, one token and five, with an id out of range (its block requests nothing).
-for xx, ww, ids in ((xs, ws, [[3, 99]]), (x, w, [[3, 99]] + [[1, 6]] * (t - 1))):
-  y = wna16_gpu.fused_marlin_moe(xx, ww, jnp.full((len(ids), k), 0.5), jnp.array(ids, jnp.int32),
-                                 l2_prefetch=3)
-  print("case l2_prefetch 3", len(ids), bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
   # Platform allocator: each buffer its own cudaMalloc, so overruns are visible.
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -127,17 +121,6 @@ if has stalls; then
     "$PY" benchmarks/layer_trace.py ${STALL_SPEC:-mxint4 Qwen3-30B-A3B 1} >"$OUT/stalls.log" 2>&1
   grep -E "Stall|stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Grid|Block" \
     "$OUT/stalls.log" | head -40
-fi
-
-if has probe; then
-  # Launch variants timed in one process each (benchmarks/launch_probe.py), one line per variant
-  # into $OUT/probe.log. PROBES="op shape T variant...; ..." (default: the L2 prefetch flags at the
-  # small-expert decode shapes); PROBE_TIMEOUT per process.
-  IFS=';' read -ra specs <<<"${PROBES:-wna16 Qwen3-30B-A3B 1 auto+p0 auto+p1 auto+p2 auto+p3; mxint4 Qwen3-30B-A3B 1 auto+p0 auto+p1 auto+p4 auto+p5 auto+p7}"
-  for spec in "${specs[@]}"; do
-    echo "== probe $(echo $spec)"
-    timeout "${PROBE_TIMEOUT:-150}" "$PY" benchmarks/launch_probe.py $spec 2>&1 | grep -v "^round"
-  done 2>&1 | tee -a "$OUT/probe.log"
 fi
 
 if has bench; then

@@ -10,9 +10,6 @@ could skip it (decodes_without_alignment forced false), to compare the two paths
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
 (host dispatch included, as split_probe measured before).
-
-A "+pN" suffix forces the L2 prefetch flags N (_gpu_launch.PREFETCH_*), e.g. "auto+p5":
-  python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto+p0 auto+p1 auto+p4 auto+p5
 """
 
 import contextlib
@@ -63,33 +60,26 @@ def make_op(op: str, name: str, t: int):
 
 
 def parse_variant(text: str):
-  """(split factors or None for the library's, whether the alignment path is forced, L2
-  prefetch flags or None for the library's)."""
-  text, _, prefetch = text.partition("+p")
+  """(split factors or None for the library's, whether the alignment path is forced)."""
   splits, _, path = text.partition("/")
   if path not in ("", "aligned"):
     raise ValueError(f"unknown path {path!r} in variant {text!r}: only 'aligned'")
-  return ((None if splits == "auto" else tuple(int(v) for v in splits.split("."))), bool(path),
-          int(prefetch) if prefetch else None)
+  return (None if splits == "auto" else tuple(int(v) for v in splits.split("."))), bool(path)
 
 
 @contextlib.contextmanager
 def forced(variant):
   """The variant's choices in force (jax.jit traces at a function's first call)."""
-  splits, aligned, prefetch = variant
-  saved = (_gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment,
-           _gpu_launch.choose_l2_prefetch)
+  splits, aligned = variant
+  saved = _gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment
   try:
     if splits is not None:
       _gpu_launch.choose_gemm_splits = lambda *args, **kwargs: splits
     if aligned:
       _gpu_launch.decodes_without_alignment = lambda *args, **kwargs: False
-    if prefetch is not None:
-      _gpu_launch.choose_l2_prefetch = lambda *args, **kwargs: prefetch
     yield
   finally:
-    (_gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment,
-     _gpu_launch.choose_l2_prefetch) = saved
+    _gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment = saved
 
 
 def main():

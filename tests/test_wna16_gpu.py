@@ -425,30 +425,6 @@ def test_tokens_without_a_valid_expert_are_zero(block_m):
   assert _rel(got, want) <= TOL
 
 
-@pytest.mark.parametrize("flags", [1, 2, 3])
-@pytest.mark.parametrize("t", [1, 16])
-def test_l2_prefetch_flags_change_no_result(t, flags):
-  """The L2 prefetch flags (_gpu_launch.PREFETCH_*) are cache hints: against the reference as
-  any call, and against the same call without them within RELAUNCH_TOL (split GEMMs add their
-  f32 atomics in another order). Zero points (GEMM1 also prefetches w2's), a Qwen3-like decode
-  shape (GEMM1 split at T=1) and one id out of range: its block has no expert and must request
-  nothing (a prefetch of expert 99 would read past the weights; memcheck covers it too)."""
-  e, k, h, i = 64, 8, 2048, 768
-  weights, (w13, w2, b13, b2) = _build(21 + t, e, h, i, 128, jnp.bfloat16, zeros=True)
-  topk_w, topk_ids = _routing(21 + t, t, e, k)
-  topk_ids = topk_ids.at[0, 3].set(99)
-  x = jax.random.normal(jax.random.PRNGKey(22 + t), (t, h), jnp.float32).astype(jnp.bfloat16)
-  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
-  run = lambda flags: np.asarray(jax.jit(functools.partial(
-      wna16_gpu.fused_marlin_moe, l2_prefetch=flags))(x, weights, topk_w, topk_ids,
-                                                      out_init=poison).astype(jnp.float32))
-  got, plain = run(flags), run(0)
-  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
-  want = _reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=0, dtype=jnp.bfloat16)
-  assert _rel(got, want) <= TOL
-  assert _rel(got, plain) <= RELAUNCH_TOL
-
-
 def test_jit_matches_eager():
   weights, _ = _build(6, 8, 256, 512, 64, jnp.float16)
   topk_w, topk_ids = _routing(6, 2, 8, 2)

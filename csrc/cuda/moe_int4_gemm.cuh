@@ -11,7 +11,6 @@
 #pragma once
 
 #include "cuda/int4_mma_core.cuh"
-#include "cuda/l2_prefetch.cuh"
 
 namespace jax_moeq::cuda {
 
@@ -30,8 +29,6 @@ enum class EpilogueKind {
 //              slots with bulk copies (kBulkSlots slots of two chunks per subtile, mbarrier per
 //              slot); activations and scales come through L1 into registers (block_m 8 and 16).
 enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2 };
-
-constexpr int kNextGemmRegions = 3;  // weights, scales, zero points
 
 struct MoeGemmArgs {
   const void* x = nullptr;       // rows of T, row stride ld_x (elements)
@@ -80,10 +77,6 @@ struct MoeGemmArgs {
   // Launch after the previous kernel with the dependent launch (LaunchAfterPrior); false after a
   // memset, where the programmatic edge would have no kernel to follow.
   bool dependent_launch = true;
-  // L2 prefetch (L2PrefetchFlag): the next GEMM's regions of this block's expert (base null: none),
-  // shared out over the block's CTAs and warps; and whether each warp first requests its own range.
-  ExpertRegion next_gemm[kNextGemmRegions];
-  bool prefetch_own = false;
 };
 
 // Whether a call takes the decode path without alignment: one token (its K pairs have distinct
@@ -132,20 +125,7 @@ inline MoeGemmArgs Gemm2ArgsAfter(const MoeGemmArgs& g1, const uint4* w, const u
   g2.clear_count = 0;
   g2.act_arrivals = nullptr;
   g2.dependent_launch = true;
-  for (ExpertRegion& r : g2.next_gemm) r = ExpertRegion{};  // no GEMM after GEMM2
   return g2;
-}
-
-// GEMM1's part of the L2 prefetch flags (L2PrefetchFlag; GEMM2 inherits prefetch_own through
-// Gemm2ArgsAfter): the next GEMM's packed weights, scales and optional zero points, n2 x k2 per
-// expert in groups2 scale groups.
-inline void SetL2Prefetch(MoeGemmArgs& g1, int flags, const void* w2, const void* s2,
-                          const void* z2, int64_t n2, int64_t k2, int64_t groups2) {
-  g1.prefetch_own = (flags & kPrefetchOwnRange) != 0;
-  if (!(flags & kPrefetchNextGemm)) return;
-  g1.next_gemm[0] = ExpertRegion{w2, n2 * k2 / 2};        // [N/16][K/64][32] uint4
-  g1.next_gemm[1] = ExpertRegion{s2, groups2 * n2 * 2};   // [G][N/16][8] uint32
-  if (z2) g1.next_gemm[2] = ExpertRegion{z2, groups2 * n2 * 2};
 }
 
 // The one-token path's part of GEMM1's arguments: block b computes pair b of `pair_experts` and
@@ -440,10 +420,6 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
   const uint32_t* sp = p.scales + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g;
   const uint32_t* zp =
       p.zeros ? p.zeros + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g : nullptr;
-  if (p.prefetch_own && lane < kNsub) {  // lane j: subtile j's chunks of this split, contiguous
-    PrefetchL2((lane == 0 ? wp[0] : wp[1]) - lane + kc_begin * 32,
-               static_cast<int64_t>(kc_end - kc_begin) * 512);
-  }
 
   float acc[kNsub][MT][4];
 #pragma unroll
@@ -685,19 +661,8 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   WaitForPriorGrids();
   AllowDependentGrids();
   if (p.clear) ClearWithGrid(p.clear, p.clear_count);
-  const int expert = BlockExpert(p, blockIdx.x, MT * 8);
-  if (p.next_gemm[0].base && expert >= 0 && lane == 0) {
-    // The next GEMM's bytes of this expert, one share per warp of the block's CTAs: their DRAM
-    // reads overlap this GEMM, and the next GEMM finds them in L2.
-    const int warps = blockDim.x >> 5;
-    const int shares = gridDim.y * gridDim.z * warps;
-    const int share = (blockIdx.z * gridDim.y + blockIdx.y) * warps + warp;
-#pragma unroll
-    for (int r = 0; r < kNextGemmRegions; ++r) {
-      PrefetchExpertShare(p.next_gemm[r], expert, share, shares);
-    }
-  }
   if (unit >= p.units) return;
+  const int expert = BlockExpert(p, blockIdx.x, MT * 8);
   if (expert >= 0) {
     MoeInt4GemmExpertBlock<T, kCode, MT, kMainloop, kFolded>(p, blockIdx.x, unit, warp, lane,
                                                              expert);

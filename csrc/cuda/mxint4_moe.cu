@@ -128,10 +128,6 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
       !err.empty()) {
     return err;
   }
-  if (p.l2_prefetch < 0 || (p.l2_prefetch & ~kL2PrefetchFlags) != 0) {
-    return "l2_prefetch must be a set of the flags 1 (next GEMM's weights), 2 (own range) and 4 "
-           "(GEMM1's weights from the routing)";
-  }
   if (p.one_token && !DecodesWithoutAlignment(true, false, p.tokens, p.block_m)) {
     return "one_token (the decode path without alignment) needs one token and block_m 8";
   }
@@ -212,7 +208,6 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  SetL2Prefetch(g1, p.l2_prefetch, p.w2, p.s2, nullptr, H, I, I / kGroupSize);
   if (direct) {
     SetOneTokenGemm1(g1, p.local_ids, L, p.ws2, rows, H);
     if (const cudaError_t e = ClearOneTokenGemm1Workspace(g1, rows, stream); e != cudaSuccess) {

@@ -46,7 +46,6 @@ struct MxInt4MoeProblem {
   int split2 = 1;
   int mainloop = 0;           // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
   bool one_token = false;     // the decode path without alignment (DecodesWithoutAlignment holds)
-  int l2_prefetch = 0;        // L2PrefetchFlag bits (moe_int4_gemm.cuh)
 
   // Inputs.
   const void* x = nullptr;           // bf16 [T, H]

@@ -12,7 +12,6 @@
 #include <climits>
 
 #include "cuda/dependent_launch.cuh"
-#include "cuda/l2_prefetch.cuh"
 #include "cuda/mxint4_moe.h"
 
 namespace jax_moeq::cuda {
@@ -79,8 +78,6 @@ struct RoutingArgs {
   int32_t* topk_ids;
   float* topk_weights;
   int32_t* local_ids;
-  // kPrefetchFromRouting: GEMM1's weights and scales of the chosen local experts, else null.
-  ExpertRegion gemm1[2];
 };
 
 __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(RoutingArgs a) {
@@ -163,16 +160,6 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
     if (lane == 0) chosen[r] = best;
   }
   __syncwarp();
-  if (a.gemm1[0].base) {
-    // Each chosen local expert's GEMM1 bytes into L2, shared out over the lanes: their DRAM reads
-    // start now, while GEMM1 launches, rather than when its warps reach them.
-    for (int k = 0; k < a.top_k; ++k) {
-      const int local = chosen[k] - a.local_offset;
-      if (local < 0 || local >= a.local_experts) continue;
-      PrefetchExpertShare(a.gemm1[0], local, lane, 32);
-      PrefetchExpertShare(a.gemm1[1], local, lane, 32);
-    }
-  }
 
   // 4. Weights, by lane 0 (k is small).
   if (lane != 0) return;
@@ -229,11 +216,6 @@ std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream) {
   a.topk_ids = p.topk_ids;
   a.topk_weights = p.topk_weights;
   a.local_ids = p.local_ids;
-  if (p.l2_prefetch & kPrefetchFromRouting) {
-    // Per expert: uint4 [2I/16][H/64][32] weights, uint32 [H/32][2I/16][8] scales.
-    a.gemm1[0] = ExpertRegion{p.w13, p.hidden * 2 * p.intermediate / 2};
-    a.gemm1[1] = ExpertRegion{p.s13, (p.hidden / 32) * 2 * p.intermediate * 2};
-  }
   const size_t smem = kWarpsPerCta * (2 * p.num_experts + kMxInt4MaxTopK) * sizeof(float);
   const int blocks = static_cast<int>((p.tokens + kWarpsPerCta - 1) / kWarpsPerCta);
   MxInt4RoutingKernel<<<blocks, kWarpsPerCta * 32, smem, stream>>>(a);

@@ -157,7 +157,6 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
-  SetL2Prefetch(g1, p.l2_prefetch, p.w2, p.s2, p.has_zeros ? p.z2 : nullptr, H, I, p.groups2);
   if (direct) {
     SetOneTokenGemm1(g1, p.topk_ids, E, p.ws2, rows, H);
     if (const cudaError_t e = ClearOneTokenGemm1Workspace(g1, rows, stream); e != cudaSuccess) {
@@ -240,9 +239,6 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
   if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop);
       !err.empty()) {
     return err;
-  }
-  if (p.l2_prefetch < 0 || (p.l2_prefetch & ~(kPrefetchNextGemm | kPrefetchOwnRange)) != 0) {
-    return "l2_prefetch must be a set of the flags 1 (next GEMM's weights) and 2 (own range)";
   }
   if (p.one_token && !DecodesWithoutAlignment(!p.batched, p.act_order, p.tokens, p.block_m)) {
     return "one_token (the decode path without alignment) needs one token, the standard format, "

@@ -30,7 +30,6 @@ struct Wna16MoeProblem {
   bool act_order = false;
   int mainloop = 0;      // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
   bool one_token = false;  // the decode path without alignment (DecodesWithoutAlignment holds)
-  int l2_prefetch = 0;     // L2PrefetchFlag bits: kPrefetchNextGemm, kPrefetchOwnRange
 
   // Inputs.
   const void* x = nullptr;

@@ -21,8 +21,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
 WARPS_PER_CTA = 8  # kGemmWarps of csrc/cuda/moe_int4_gemm.cuh
 MIN_CHUNKS_PER_SPLIT = 4  # a split streams at least 4 chunks (one MT=1 pipeline stage)
 MAX_WORKSPACE_BYTES = 1 << 28  # split-K of GEMM1 needs an f32 [rows, 2I] workspace
@@ -179,48 +177,3 @@ def choose_split(busy_blocks: int, units: int, chunks: int, block_m: int, ws_byt
         (cost == best_cost and live > best_split and ctas * live <= wave)):
       best_cost, best_split = cost, live
   return best_split
-
-
-# L2 prefetch at decode (L2PrefetchFlag in csrc/cuda/l2_prefetch.cuh; the ops' `l2_prefetch`
-# attribute is a set of these bits). A decode call is a chain of short kernels, each of which
-# starts its own DRAM latency chain for a few MB of weights; a request into L2 issued earlier lets
-# those reads overlap the kernel before.
-PREFETCH_NEXT_GEMM = 1     # GEMM1's CTAs request GEMM2's weights of their expert
-PREFETCH_OWN_RANGE = 2     # each GEMM warp requests its whole weight range at its start
-PREFETCH_FROM_ROUTING = 4  # (MxInt4) the routing warp requests its experts' GEMM1 weights
-L2_PREFETCH_FLAGS = {"wna16": PREFETCH_NEXT_GEMM | PREFETCH_OWN_RANGE,
-                     "mxint4": PREFETCH_NEXT_GEMM | PREFETCH_OWN_RANGE | PREFETCH_FROM_ROUTING}
-# The bytes a call may request into the H100's 50 MB L2 ahead of their use: beyond this the
-# requests evict each other (and the stream of the GEMM running meanwhile) before they are read.
-L2_PREFETCH_BUDGET_BYTES = 24 << 20
-# Flags the ops use where the budget holds, per scheme (measured: docs/performance.md).
-DEFAULT_L2_PREFETCH = {"wna16": 0, "mxint4": 0}
-
-
-def check_l2_prefetch(scheme: str, flags: int) -> int:
-  """`flags` as the FFI attribute, or ValueError naming the flags the scheme has."""
-  allowed = L2_PREFETCH_FLAGS[scheme]
-  if (not isinstance(flags, (int, np.integer)) or isinstance(flags, bool) or flags < 0 or
-      flags & ~allowed):
-    raise ValueError(f"l2_prefetch must be a set of the {scheme} flags {allowed:#x} (1: GEMM2's "
-                     f"weights from GEMM1, 2: each warp's own range"
-                     f"{', 4: GEMM1 weights from the routing' if allowed & 4 else ''}), "
-                     f"got {flags!r}")
-  return int(flags)
-
-
-def expected_experts_hit(pairs: float, experts: int) -> float:
-  """Distinct experts that `pairs` uniformly routed (token, slot) pairs hit, expected."""
-  if experts <= 0 or pairs <= 0:
-    return 0.0
-  return experts * (1.0 - (1.0 - 1.0 / experts) ** pairs)
-
-
-def choose_l2_prefetch(scheme: str, block_m: int, busy_experts: float,
-                       expert_bytes: int) -> int:
-  """L2 prefetch flags of one call: the scheme's default where the expected experts' weights
-  (`expert_bytes` each, both GEMMs) fit L2_PREFETCH_BUDGET_BYTES, on the mma.sync GEMM only (the
-  wgmma GEMM runs at large T, where the weights are far beyond L2)."""
-  if block_m == WGMMA_BLOCK_M or busy_experts * expert_bytes > L2_PREFETCH_BUDGET_BYTES:
-    return 0
-  return DEFAULT_L2_PREFETCH[scheme]

@@ -325,19 +325,9 @@ def _check_x_dtype(x: Array, weights: Wna16MoeWeights) -> Wna16MoeWeights:
   return weights
 
 
-def _expert_bytes(weights: Wna16MoeWeights) -> int:
-  """Bytes of one expert's packed weights, scales and zero points, both GEMMs."""
-  per = [a.size * a.dtype.itemsize // weights.num_experts
-         for a in (weights.w13, weights.w13_scales, weights.w2, weights.w2_scales)]
-  if weights.has_zeros:
-    per += [a.size * a.dtype.itemsize // weights.num_experts
-            for a in (weights.w13_zeros, weights.w2_zeros)]
-  return sum(per)
-
-
 def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: bool,
           activation_kind: int, block_m: int | None, out_init: Array | None,
-          mainloop: str | None = None, l2_prefetch: int | None = None):
+          mainloop: str | None = None):
   if activation_kind not in ACTIVATION_KINDS:
     raise ValueError(f"activation_kind must be one of {ACTIVATION_KINDS}, got {activation_kind}")
   from jax_moeq import _ffi
@@ -368,10 +358,6 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
   # The one-token decode path: decided here, checked again by the FFI handler.
   one_token = _gpu_launch.decodes_without_alignment(x.shape[0], block_m, batched=batched,
                                                     act_order=weights.act_order)
-  if l2_prefetch is None:
-    hit = e if batched else _gpu_launch.expected_experts_hit(rows, e)
-    l2_prefetch = _gpu_launch.choose_l2_prefetch("wna16", block_m, hit, _expert_bytes(weights))
-  l2_prefetch = _gpu_launch.check_l2_prefetch("wna16", l2_prefetch)
   dt = x.dtype
   out_shape = x.shape
   results = [
@@ -394,7 +380,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2),
       activation_kind=np.int64(activation_kind), has_zeros=weights.has_zeros,
       has_bias=weights.has_bias, act_order=weights.act_order, mainloop=np.int64(mainloop_id),
-      one_token=one_token, l2_prefetch=np.int64(l2_prefetch))
+      one_token=one_token)
   # The standard format's vmap rule folds tokens (fused_marlin_moe); the batched format's calls
   # run one per batch element.
   vmap_method = "sequential" if batched else None
@@ -420,8 +406,7 @@ def _validate_common(x, weights: Wna16MoeWeights, x_rank: int):
 
 def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, topk_ids: Array,
                      *, activation_kind: int = 0, block_m: int | None = None,
-                     out_init: Array | None = None, mainloop: str | None = None,
-                     l2_prefetch: int | None = None) -> Array:
+                     out_init: Array | None = None, mainloop: str | None = None) -> Array:
   """WNA16 fused MoE on the GPU (MARLIN backend, standard format); usable under jit.
 
   Args:
@@ -435,8 +420,6 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     out_init: optional buffer aliased to the output (tests poison it with NaN).
     mainloop: GEMM main loop, "registers" (default), "async_ring" or "bulk_copy" (see
       `_gpu_launch.MAINLOOPS`).
-    l2_prefetch: L2 prefetch flags (`_gpu_launch.PREFETCH_*`; cache hints only, the result does
-      not depend on them); default `_gpu_launch.choose_l2_prefetch`.
   Returns:
     [T, H] in x's dtype. Under vmap, token sets sharing the weights are one call on their
     concatenated tokens (launch choices follow the folded T); per-batch weights run in sequence.
@@ -458,16 +441,14 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
   def call(x, ids, w, *rest):
     out_buffer, shared = (rest[0], rest[1]) if has_out else (None, rest[0])
     return _call(x, ids, w, shared, batched=False, activation_kind=activation_kind,
-                 block_m=block_m, out_init=out_buffer, mainloop=mainloop,
-                 l2_prefetch=l2_prefetch)
+                 block_m=block_m, out_init=out_buffer, mainloop=mainloop)
 
   return fold_token_batches(call, len(token_args))(*token_args, weights)
 
 
 def batched_fused_marlin_moe(x: Array, expert_num_tokens: Array, weights: Wna16MoeWeights, *,
                              activation_kind: int = 0, block_m: int | None = None,
-                             out_init: Array | None = None, mainloop: str | None = None,
-                             l2_prefetch: int | None = None) -> Array:
+                             out_init: Array | None = None, mainloop: str | None = None) -> Array:
   """WNA16 MoE on the batched format (BATCHED_MARLIN): x [E, M, H], counts [E] -> [E, M, H].
 
   Row m of expert e is computed when m < expert_num_tokens[e]; other rows are zero. No top-k
@@ -482,7 +463,7 @@ def batched_fused_marlin_moe(x: Array, expert_num_tokens: Array, weights: Wna16M
   weights = _check_x_dtype(x, weights)
   return _call(x, expert_num_tokens.astype(jnp.int32), jnp.zeros((1,), jnp.float32), weights,
                batched=True, activation_kind=activation_kind, block_m=block_m,
-               out_init=out_init, mainloop=mainloop, l2_prefetch=l2_prefetch)
+               out_init=out_init, mainloop=mainloop)
 
 
 def wna16_gpu_available() -> bool:
