@@ -2,7 +2,8 @@
 # One call on the GPU machine: build the CUDA library, run the WNA16 GPU tests, a
 # compute-sanitizer memcheck of a small case, and the benchmark. Logs go to $OUT (or /tmp).
 #   STAGES="build test memcheck bench" (default all; "trace" adds ncu per-kernel times, TRACE=...;
-#   "stalls" one kernel's ncu stall reasons, STALL_KERNEL=... STALL_SPEC=...);
+#   "stalls" one kernel's ncu stall reasons, STALL_KERNEL=... STALL_SPEC=...; "probe" launch
+#   variants timed in one process each, PROBES=...);
 #   BENCH_ARGS="--quick" etc.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +122,17 @@ if has stalls; then
     "$PY" benchmarks/layer_trace.py ${STALL_SPEC:-mxint4 Qwen3-30B-A3B 1} >"$OUT/stalls.log" 2>&1
   grep -E "Stall|stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Registers|Grid|Block" \
     "$OUT/stalls.log" | head -40
+fi
+
+if has probe; then
+  # Launch variants timed in one process each (benchmarks/launch_probe.py), one line per variant
+  # into $OUT/probe.log. PROBES="op shape T variant...; ..." (default: GEMM2 split 2 against the
+  # library's choice at the small-expert T=16 shape); PROBE_TIMEOUT per process.
+  IFS=';' read -ra specs <<<"${PROBES:-wna16 Qwen3-30B-A3B 16 auto 1.2; mxint4 Qwen3-30B-A3B 16 auto 1.2}"
+  for spec in "${specs[@]}"; do
+    echo "== probe $(echo $spec)"
+    timeout "${PROBE_TIMEOUT:-150}" "$PY" benchmarks/launch_probe.py $spec 2>&1 | grep -v "^round"
+  done 2>&1 | tee -a "$OUT/probe.log"
 fi
 
 if has bench; then
