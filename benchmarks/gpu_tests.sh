@@ -15,6 +15,10 @@ FILES=${FILES:-"tests/test_wna16_gpu.py tests/test_mxint4_gpu.py tests/test_wna1
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+# Each shard's allocator is capped at its share of the GPU: uncapped, the shards' pools grew
+# until one ran out (RESOURCE_EXHAUSTED allocating 1.4 GB in MxInt4 test_model_shapes[1-*] with 6
+# shards, 2026-11-24; both passed alone). 0.9 / SHARDS each: 12 GB at 6 shards.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk -v n="$SHARDS" 'BEGIN { printf "%.2f", 0.9 / n }')}
 start=$(date +%s)
 eval "\"$PY\" -m pytest $FILES ${TEST_ARGS:-} --collect-only -q -p no:cacheprovider" 2>&1 |
   grep "::" >"$WORK/ids.txt"
