@@ -94,7 +94,8 @@ for local, rank in ((e, 0), (e // 4, 1)):
                             ep_rank=rank, routing_method=RM.Renormalize)
   print("case one token, GEMM1 split", local, rank, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
-  compute-sanitizer --tool memcheck --error-exitcode 9 \
+  # Platform allocator: each buffer its own cudaMalloc, so overruns are visible.
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$PY" /tmp/mxint4_memcheck_case.py >"$OUT/memcheck.log" 2>&1
   rc=$?
   tail -6 "$OUT/memcheck.log"

@@ -130,19 +130,23 @@ inline MoeGemmArgs Gemm2ArgsAfter(const MoeGemmArgs& g1, const uint4* w, const u
 
 // The one-token path's part of GEMM1's arguments: block b computes pair b of `pair_experts` and
 // the kernel clears GEMM2's workspace `ws2` (rows x n2 accumulators and the counters after them).
-// When GEMM1 splits K (g1.ws and g1.n set), it counts arrivals after ws's rows x n accumulators.
+// When GEMM1 splits K (g1.ws and g1.n set), it counts arrivals after ws's rows x n accumulators;
+// that workspace must be zero when it starts: `zeroed_by_prior_kernel` says the call's previous
+// kernel zeroes it (MxInt4's routing), else ClearOneTokenGemm1Workspace's memset does.
 inline void SetOneTokenGemm1(MoeGemmArgs& g1, const int32_t* pair_experts, int experts,
-                             float* ws2, int64_t rows, int64_t n2) {
+                             float* ws2, int64_t rows, int64_t n2, bool zeroed_by_prior_kernel) {
   g1.pair_experts = pair_experts;
   g1.experts = experts;
   g1.clear = ws2;
   g1.clear_count = Gemm2WorkspaceFloats(rows, n2);
   if (g1.splits > 1) {
     g1.act_arrivals = reinterpret_cast<int32_t*>(g1.ws + rows * g1.n);
-    g1.dependent_launch = false;  // it follows ClearOneTokenGemm1Workspace's memset
+    // After a memset the programmatic edge would have no kernel to follow.
+    g1.dependent_launch = zeroed_by_prior_kernel;
   }
 }
-// Zeroes a split one-token GEMM1's workspace before it runs (nothing earlier in the call can).
+// Zeroes a split one-token GEMM1's workspace with a memset before it runs (where no earlier
+// kernel of the call does).
 inline cudaError_t ClearOneTokenGemm1Workspace(const MoeGemmArgs& g1, int64_t rows,
                                                cudaStream_t stream) {
   if (!g1.act_arrivals) return cudaSuccess;

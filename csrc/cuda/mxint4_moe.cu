@@ -147,14 +147,17 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int L = static_cast<int>(p.local_experts);
 
-  // 1. Routing.
-  err = RunMxInt4Routing(p, stream);
+  // 1. Routing. At one token with GEMM1 split, its launch also zeroes GEMM1's workspace, so that
+  // GEMM1 follows it with the dependent launch instead of after a memset.
+  const bool direct = p.one_token;
+  const bool zero13_in_routing = direct && p.split13 > 1;
+  err = RunMxInt4Routing(p, stream, zero13_in_routing ? p.ws13 : nullptr,
+                         zero13_in_routing ? MxInt4MoeWs13Floats(p) : 0);
   if (!err.empty()) return err;
 
   // 2. This rank's pairs to expert blocks (local id -1: dropped); the same launch zeroes the
   // split-K workspaces. At one token (DecodesWithoutAlignment) neither: each pair is its own
-  // block, GEMM1 clears ws2 and a memset clears a split GEMM1's ws13.
-  const bool direct = p.one_token;
+  // block, GEMM1 clears ws2 and the routing launch a split GEMM1's ws13.
   if (!direct) {
     const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
@@ -204,15 +207,12 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   g1.act_col = nullptr;
   if (p.split13 > 1) {
     g1.epilogue = EpilogueKind::kF32Store;
-    g1.ws = p.ws13;  // zeroed by the alignment launch (one token: by the memset below)
+    g1.ws = p.ws13;  // zeroed by the alignment launch (one token: by the routing launch)
   } else {
     g1.epilogue = EpilogueKind::kActivation;
   }
   if (direct) {
-    SetOneTokenGemm1(g1, p.local_ids, L, p.ws2, rows, H);
-    if (const cudaError_t e = ClearOneTokenGemm1Workspace(g1, rows, stream); e != cudaSuccess) {
-      return std::string("GEMM1 workspace memset: ") + cudaGetErrorString(e);
-    }
+    SetOneTokenGemm1(g1, p.local_ids, L, p.ws2, rows, H, zero13_in_routing);
   }
   const int gemm_blocks = direct ? rows : max_blocks;
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g1, gemm_blocks, stream);

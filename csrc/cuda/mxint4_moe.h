@@ -84,8 +84,10 @@ int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p);
 // Shape and routing-argument rules; empty string when fine.
 std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p);
 
-// Routing only: logits -> topk_ids, topk_weights, local_ids.
-std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream);
+// Routing only: logits -> topk_ids, topk_weights, local_ids. Extra CTAs of the same launch
+// zero zero[0, zero_count) (a workspace of the next kernel), when given.
+std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream,
+                             float* zero = nullptr, int64_t zero_count = 0);
 
 // Routing, alignment, GEMM1 + SwiGLU, GEMM2, weighting and reduction over k.
 std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream);

@@ -8,6 +8,7 @@
 // warp argmax with ties going to the lower index, as jax.lax.top_k.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 
@@ -36,11 +37,18 @@ __device__ __forceinline__ void WarpBest(float& value, int& index) {
   }
 }
 
-// Best not-excluded expert of vals[0, E) for the whole warp.
-__device__ __forceinline__ int WarpArgmax(const float* vals, int experts, uint32_t excluded,
-                                          int lane) {
+// Unsigned key with the order of the floats (-0 as +0, so equal floats have equal keys).
+__device__ __forceinline__ uint32_t OrderedKey(float v) {
+  const uint32_t b = __float_as_uint(v == 0.0f ? 0.0f : v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// This lane's best not-excluded expert of vals[0, E) (ties: the lower index), as (key, index);
+// (0, INT_MAX) when it has none.
+__device__ __forceinline__ void LaneBest(const float* vals, int experts, uint32_t excluded,
+                                         int lane, uint32_t& key, int& index) {
   float best = -FLT_MAX;
-  int index = INT_MAX;
+  index = INT_MAX;
   for (int j = 0; lane + 32 * j < experts; ++j) {
     if ((excluded >> j) & 1u) continue;
     const int i = lane + 32 * j;
@@ -50,8 +58,7 @@ __device__ __forceinline__ int WarpArgmax(const float* vals, int experts, uint32
       index = i;
     }
   }
-  WarpBest(best, index);
-  return index;
+  key = index == INT_MAX ? 0u : OrderedKey(best);
 }
 
 __device__ __forceinline__ float WarpMax(float v) {
@@ -78,11 +85,23 @@ struct RoutingArgs {
   int32_t* topk_ids;
   float* topk_weights;
   int32_t* local_ids;
+  int routing_blocks;  // CTAs that route; those after them zero `zero`
+  float* zero;
+  int64_t zero_count;
 };
 
 __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(RoutingArgs a) {
   WaitForPriorGrids();
   AllowDependentGrids();
+  if (static_cast<int>(blockIdx.x) >= a.routing_blocks) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x - a.routing_blocks) * blockDim.x;
+    for (int64_t i = (blockIdx.x - a.routing_blocks) * static_cast<int64_t>(blockDim.x) +
+                     threadIdx.x;
+         i < a.zero_count; i += stride) {
+      a.zero[i] = 0.0f;
+    }
+    return;
+  }
   extern __shared__ float shared[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kWarpsPerCta + warp;
@@ -153,10 +172,20 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
     }
   }
 
-  // 3. Top-k rounds.
+  // 3. Top-k rounds: each lane keeps its best candidate; a round takes the warp's largest key, and
+  // among equal keys the lowest expert, with two warp reductions (redux.sync: a shuffle tree
+  // was ~40 dependent instructions a round); only the winning lane looks for its next best.
+  uint32_t key;
+  int index;
+  LaneBest(choice, E, excluded, lane, key, index);
   for (int r = 0; r < a.top_k; ++r) {
-    const int best = WarpArgmax(choice, E, excluded, lane);
-    if ((best & 31) == lane) excluded |= 1u << (best >> 5);
+    const uint32_t best_key = __reduce_max_sync(0xffffffffu, key);
+    const int best = static_cast<int>(__reduce_min_sync(
+        0xffffffffu, key == best_key ? static_cast<uint32_t>(index) : 0xffffffffu));
+    if ((best & 31) == lane) {
+      excluded |= 1u << (best >> 5);
+      LaneBest(choice, E, excluded, lane, key, index);
+    }
     if (lane == 0) chosen[r] = best;
   }
   __syncwarp();
@@ -198,7 +227,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
 
 }  // namespace
 
-std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream) {
+std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream, float* zero,
+                             int64_t zero_count) {
   if (p.tokens == 0) return "";
   RoutingArgs a;
   a.logits = p.logits;
@@ -218,7 +248,15 @@ std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream) {
   a.local_ids = p.local_ids;
   const size_t smem = kWarpsPerCta * (2 * p.num_experts + kMxInt4MaxTopK) * sizeof(float);
   const int blocks = static_cast<int>((p.tokens + kWarpsPerCta - 1) / kWarpsPerCta);
-  MxInt4RoutingKernel<<<blocks, kWarpsPerCta * 32, smem, stream>>>(a);
+  a.routing_blocks = blocks;
+  a.zero = zero;
+  a.zero_count = zero ? zero_count : 0;
+  // Zeroing CTAs: ~8 floats a thread, at most kMaxZeroBlocks (they run beside the routing warps).
+  constexpr int kMaxZeroBlocks = 64;
+  const int64_t per_block = int64_t{kWarpsPerCta} * 32 * 8;
+  const int zero_blocks = static_cast<int>(
+      std::min<int64_t>(kMaxZeroBlocks, (a.zero_count + per_block - 1) / per_block));
+  MxInt4RoutingKernel<<<blocks + zero_blocks, kWarpsPerCta * 32, smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("routing kernel: ") + cudaGetErrorString(err);
   return "";

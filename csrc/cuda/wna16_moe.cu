@@ -158,7 +158,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     g1.epilogue = EpilogueKind::kActivation;
   }
   if (direct) {
-    SetOneTokenGemm1(g1, p.topk_ids, E, p.ws2, rows, H);
+    SetOneTokenGemm1(g1, p.topk_ids, E, p.ws2, rows, H, /*zeroed_by_prior_kernel=*/false);
     if (const cudaError_t e = ClearOneTokenGemm1Workspace(g1, rows, stream); e != cudaSuccess) {
       return std::string("GEMM1 workspace memset: ") + cudaGetErrorString(e);
     }
