@@ -11,6 +11,7 @@
 #pragma once
 
 #include "cuda/int4_mma_core.cuh"
+#include "cuda/workspace_zero.cuh"
 
 namespace jax_moeq::cuda {
 
@@ -683,18 +684,8 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
 // Standard format: sorted_ids lists pair ids p = t*K + k grouped by expert,
 // each expert's run padded to block_m with `num_rows`; expert_ids per block
 // (-1 past the end). Ids out of [0, E) are dropped (they contribute nothing).
-// Block 0 of 1024 threads (shared memory 2 * E ints) aligns.
-// Zeroes up to two f32 workspaces with the blocks after the first `skip`
-// (so the alignment launch also clears split-K accumulators).
-__device__ __forceinline__ void ZeroWorkspaces(float* ws_a, int64_t count_a, float* ws_b,
-                                               int64_t count_b, int skip) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x - skip) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x - skip) * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < count_a; i += stride) ws_a[i] = 0.0f;
-  for (int64_t i = first; i < count_b; i += stride) ws_b[i] = 0.0f;
-}
-
-// Block 0 aligns; blocks 1.. zero the workspaces (counts may be 0).
+// Block 0 of 1024 threads (shared memory 2 * E ints) aligns; blocks 1.. zero the split-K
+// workspaces (ZeroWorkspaces; counts may be 0).
 static __global__ void __launch_bounds__(1024)
     AlignStandardKernel(const int32_t* topk_ids, int num_pairs, int experts, int block_m,
                         int max_padded, int max_blocks, int32_t* sorted_ids, int32_t* expert_ids,

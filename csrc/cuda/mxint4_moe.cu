@@ -13,7 +13,6 @@ namespace {
 
 using Bf16 = __nv_bfloat16;
 constexpr int kGroupSize = 32;
-constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
 // GEMM1 finalize after split-K: act[id][n] = round(silu(round(g)) * round(u)).
 __global__ void MxInt4Finalize13Kernel(const float* ws, const int32_t* local_ids, int inter,

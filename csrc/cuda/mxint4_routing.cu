@@ -14,6 +14,7 @@
 
 #include "cuda/dependent_launch.cuh"
 #include "cuda/mxint4_moe.h"
+#include "cuda/workspace_zero.cuh"
 
 namespace jax_moeq::cuda {
 namespace {
@@ -94,12 +95,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
   WaitForPriorGrids();
   AllowDependentGrids();
   if (static_cast<int>(blockIdx.x) >= a.routing_blocks) {
-    const int64_t stride = static_cast<int64_t>(gridDim.x - a.routing_blocks) * blockDim.x;
-    for (int64_t i = (blockIdx.x - a.routing_blocks) * static_cast<int64_t>(blockDim.x) +
-                     threadIdx.x;
-         i < a.zero_count; i += stride) {
-      a.zero[i] = 0.0f;
-    }
+    ZeroWorkspaces(a.zero, a.zero_count, nullptr, 0, a.routing_blocks);
     return;
   }
   extern __shared__ float shared[];
@@ -251,11 +247,10 @@ std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream, flo
   a.routing_blocks = blocks;
   a.zero = zero;
   a.zero_count = zero ? zero_count : 0;
-  // Zeroing CTAs: ~8 floats a thread, at most kMaxZeroBlocks (they run beside the routing warps).
-  constexpr int kMaxZeroBlocks = 64;
+  // Zeroing CTAs: ~8 floats a thread, at most kZeroBlocks (they run beside the routing warps).
   const int64_t per_block = int64_t{kWarpsPerCta} * 32 * 8;
   const int zero_blocks = static_cast<int>(
-      std::min<int64_t>(kMaxZeroBlocks, (a.zero_count + per_block - 1) / per_block));
+      std::min<int64_t>(kZeroBlocks, (a.zero_count + per_block - 1) / per_block));
   MxInt4RoutingKernel<<<blocks + zero_blocks, kWarpsPerCta * 32, smem, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("routing kernel: ") + cudaGetErrorString(err);

@@ -10,7 +10,6 @@
 namespace jax_moeq::cuda {
 namespace {
 
-constexpr int kZeroBlocks = 64;  // blocks that clear split-K workspaces during alignment
 
 // GEMM1 finalize after split-K: act[id][col] from ws13[id][0:2I].
 template <typename T>
