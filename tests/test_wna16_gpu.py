@@ -425,6 +425,46 @@ def test_tokens_without_a_valid_expert_are_zero(block_m):
   assert _rel(got, want) <= TOL
 
 
+def test_bad_input_raises_python_errors():
+  """Bad input ends in a Python exception on the GPU machine too: Python's checks before the
+  custom call, and the FFI handler's own (a call that bypasses them) as an XLA error, never a
+  crash."""
+  weights, _ = _build(8, 8, 256, 256, 64, jnp.bfloat16)
+  topk_w, topk_ids = _routing(8, 4, 8, 2)
+  x = jax.random.normal(jax.random.PRNGKey(8), (4, 256), jnp.float32).astype(jnp.bfloat16)
+  with pytest.raises(TypeError, match="bfloat16 or float16"):
+    wna16_gpu.fused_marlin_moe(x.astype(jnp.float32), weights, topk_w, topk_ids)
+  with pytest.raises(ValueError, match="hidden size"):
+    wna16_gpu.fused_marlin_moe(x[:, :128], weights, topk_w, topk_ids)
+  with pytest.raises(ValueError, match="topk_ids must be"):
+    wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids[:3])
+  with pytest.raises(TypeError, match="topk_ids must be integer"):
+    wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids.astype(jnp.float32))
+  with pytest.raises(ValueError, match="block_m"):
+    wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, block_m=24)
+  # The handler's checks: w13 handed over as w2 (wrong shape for the attributes).
+  from jax_moeq import _ffi
+  from jax_moeq.ops import _gpu_launch
+  _ffi.cuda_library()
+  rows, h, i, e = 8, 256, 256, 8
+  results = [jax.ShapeDtypeStruct((4, h), jnp.bfloat16), jax.ShapeDtypeStruct((64,), jnp.int32),
+             jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+             jax.ShapeDtypeStruct((1,), jnp.bfloat16),
+             jax.ShapeDtypeStruct((rows * i,), jnp.bfloat16),
+             jax.ShapeDtypeStruct((1,), jnp.float32),
+             jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(rows, h),), jnp.float32)]
+  call = jax.ffi.ffi_call(wna16_gpu.FFI_TARGET, results)
+  w = weights
+  with pytest.raises(Exception, match="w13 has shape"):
+    jax.block_until_ready(call(
+        x, topk_ids, topk_w, w.w2, w.w13_scales, w.w13_zeros, w.w13_bias, w.w2, w.w2_scales,
+        w.w2_zeros, w.w2_bias, w.w13_perm, w.w2_inv_perm, batched=False,
+        hidden_size=np.int64(h), intermediate_size=np.int64(i), groups13=np.int64(h // 64),
+        groups2=np.int64(i // 64), block_m=np.int64(8), split13=np.int64(1),
+        split2=np.int64(1), activation_kind=np.int64(0), has_zeros=False, has_bias=False,
+        act_order=False, mainloop=np.int64(0), one_token=False))
+
+
 def test_jit_matches_eager():
   weights, _ = _build(6, 8, 256, 512, 64, jnp.float16)
   topk_w, topk_ids = _routing(6, 2, 8, 2)
