@@ -171,6 +171,9 @@ def argument_parser() -> argparse.ArgumentParser:
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--shapes", default=",".join(SHAPES))
   ap.add_argument("--tokens", default=None, help="comma-separated T values (overrides --quick)")
+  ap.add_argument("--alt-kw", default=None,
+                  help='the alternative as op keywords in JSON, e.g. \'{"fused_decode": false}\' '
+                       "(the one-token path as separate kernels); overrides the other --alt options")
   return ap
 
 
@@ -203,6 +206,8 @@ def main():
   alt_kw = (dict(block_m=args.alt_block_m) if args.alt_block_m else
             dict(mainloop=args.alt_mainloop))
   alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else f"mainloop={args.alt_mainloop!r}"
+  if args.alt_kw:
+    alt_kw, alt_name = json.loads(args.alt_kw), args.alt_kw
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]

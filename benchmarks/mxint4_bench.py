@@ -70,6 +70,8 @@ def main():
     have_torch = False
   alt_kw = dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring")
   alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else "mainloop='async_ring'"
+  if args.alt_kw:
+    alt_kw, alt_name = json.loads(args.alt_kw), args.alt_kw
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]

@@ -293,3 +293,35 @@ def test_vmap_of_the_batched_format_runs_in_sequence():
       jnp.ones((b, e, m, h), jnp.bfloat16), jnp.full((b, e), m, jnp.int32))
   assert len(calls) == 1 and "stablehlo.while" in text
   assert _result_shapes(calls[0])[0] == f"{e}x{m}x{h}"
+
+
+# The fused decode kernel's shared-memory plan (csrc/cuda/moe_int4_decode.cuh), on an H100's 132
+# SMs. Hand-computed bytes for Qwen3-30B-A3B (K 8, H 2048, I 768): GEMM1 384 units -> 3 per CTA,
+# 2 chunks per warp each; GEMM2 128 subtiles -> 1 per CTA, 8 x 12 chunks over 16 warps -> 6.
+def test_fused_decode_plan_of_the_small_expert_models():
+  warps = launch.DECODE_WARPS
+  qwen3 = (warps * (2 * 3 * 2 + 6) * 512 + 2048 * 2 + 8 * 768 * 2 + 3 * 32 * 4 + 8 * 16 * 4
+           + warps * 4 * 8)
+  assert qwen3 == 165_248 <= launch.MAX_SHARED_BYTES_PER_CTA
+  assert launch.fused_decode_error(8, 2048, 768, ctas=132) == ""
+  # DeepSeek-V2-Lite (K 6, H 2048, I 1408): 4 units per CTA, 9 GEMM2 chunks per warp; 227 KB.
+  assert launch.fused_decode_error(6, 2048, 1408, ctas=132) == ""
+
+
+def test_fused_decode_refuses_what_does_not_fit():
+  # Mixtral (K 2, H 4096, I 14336): GEMM2 alone is 2 x 224 chunks per output subtile.
+  assert "chunks per warp" in launch.fused_decode_error(2, 4096, 14336, ctas=132)
+  assert "hidden <= 4096" in launch.fused_decode_error(8, 8192, 256, ctas=132)
+  assert "shared memory" in launch.fused_decode_error(8, 4096, 512, ctas=66)
+
+
+def test_fused_decode_choice():
+  choose = launch.choose_fused_decode
+  assert choose(None, one_token=True, top_k=8, hidden=2048, intermediate=768)
+  assert not choose(False, one_token=True, top_k=8, hidden=2048, intermediate=768)
+  assert not choose(None, one_token=False, top_k=8, hidden=2048, intermediate=768)
+  assert not choose(None, one_token=True, top_k=2, hidden=4096, intermediate=14336)
+  with pytest.raises(ValueError, match="one-token path"):
+    choose(True, one_token=False, top_k=8, hidden=2048, intermediate=768)
+  with pytest.raises(ValueError, match="chunks per warp"):
+    choose(True, one_token=True, top_k=2, hidden=4096, intermediate=14336)

@@ -251,15 +251,18 @@ def test_wgmma_prefill(name, e, k, h, i, t):
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
-@pytest.mark.parametrize("mainloop", ["registers", "async_ring"])
+@pytest.mark.parametrize("mainloop,fused_decode", [("registers", False), ("async_ring", False),
+                                                   (None, True)],
+                         ids=["registers", "async_ring", "fused"])
 @pytest.mark.parametrize("h", [256, 2048])
-def test_one_token_decode_path(ranks, mainloop, h):
+def test_one_token_decode_path(ranks, mainloop, fused_decode, h):
   """T = 1 takes the decode path without alignment (_gpu_launch.decodes_without_alignment): each
   pair its own block, GEMM2 (split, I = 1024) finalizes. H = 256 (4 chunks) keeps GEMM1 unsplit;
   H = 2048 splits it 8 ways, and its last split per 16 columns applies the activation. Under
   expert parallelism a rank's foreign pairs are blocks that compute nothing but still count; a
   rank may hold none of the token's experts (output 0). Against the reference per rank, the
-  ranks' sum against the full layer, and the aligned path (block_m 16)."""
+  ranks' sum against the full layer, and the aligned path (block_m 16). fused_decode: routing,
+  then the layer as one kernel (moe_int4_decode.cuh)."""
   e, k, i = 16, 4, 1024
   local = e // ranks
   split13, _ = _gpu_launch.choose_gemm_splits(min(local, k), h, i, 8, k)
@@ -273,7 +276,7 @@ def test_one_token_decode_path(ranks, mainloop, h):
   for r in range(ranks):
     part, _, _ = _run_poisoned(prepared, x, logits, f"rank {r}: ", e=e, k=k, i=i, local=local,
                                ep_rank=r, routing_method=RM.Renormalize, block_m=8,
-                               mainloop=mainloop)
+                               mainloop=mainloop, fused_decode=fused_decode)
     ref = _reference(canon, x, logits, e=e, k=k, local=local, ep_rank=r,
                      routing_method=RM.Renormalize)
     if float(jnp.abs(ref.astype(jnp.float32)).max()) == 0.0:  # no expert of this rank was hit
@@ -319,12 +322,17 @@ def test_handler_rejects_bad_buffers():
                routing_method=np.int64(3), num_expert_group=np.int64(1), topk_group=np.int64(1),
                routed_scaling_factor=np.float32(1), has_bias=False, block_m=np.int64(8),
                split13=np.int64(1), split2=np.int64(1), mainloop=np.int64(0),
-               one_token=False)
+               one_token=False, fused_decode=False)
   with pytest.raises(Exception, match="Llama4 routing needs top_k == 1"):
     jax.block_until_ready(call(x, logits, jnp.zeros((1,), jnp.float32),
                                *[prepared[n] for n in mxint4_gpu.WEIGHT_KEYS], **attrs))
   # The one-token path asked for at T = 4: refused (it would read one block per pair of token 0).
   attrs.update(routing_method=np.int64(1), one_token=True)
   with pytest.raises(Exception, match="one_token"):
+    jax.block_until_ready(call(x, logits, jnp.zeros((1,), jnp.float32),
+                               *[prepared[n] for n in mxint4_gpu.WEIGHT_KEYS], **attrs))
+  # fused_decode without the one-token path: refused by the handler too.
+  attrs.update(one_token=False, fused_decode=True)
+  with pytest.raises(Exception, match="fused_decode needs the one_token path"):
     jax.block_until_ready(call(x, logits, jnp.zeros((1,), jnp.float32),
                                *[prepared[n] for n in mxint4_gpu.WEIGHT_KEYS], **attrs))

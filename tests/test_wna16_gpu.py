@@ -339,27 +339,53 @@ ONE_TOKEN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused_decode", [False, True], ids=["kernels", "fused"])
 @pytest.mark.parametrize("case", ONE_TOKEN_CASES, ids=_case_id)
-def test_one_token_decode_path(case):
+def test_one_token_decode_path(case, fused_decode):
+  """Both one-token forms: the GEMM kernels (fused_decode=False) and the one fused decode kernel
+  (moe_int4_decode.cuh: GEMM1's warps meet in shared f32 sums, a grid barrier, GEMM2 from shared
+  memory)."""
   from jax_moeq.ops import _gpu_launch
   t, e, k, h, i = case[:5]
   busy = _gpu_launch.expected_busy_blocks(t * k, e, 8)
   split13, _ = _gpu_launch.choose_gemm_splits(busy, h, i, 8, t * k)
   assert _gpu_launch.decodes_without_alignment(t, 8)
   assert (split13 > 1) == (h >= 1024)  # the cases above cover both GEMM1 forms
-  got, want, (x, weights, topk_w, topk_ids) = _run_case(case)
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, fused_decode=fused_decode)
   assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
-  # The aligned path (block_m 16) on the same inputs: same products; only the split GEMMs' f32
-  # atomics add in another order, which moves a rounding point by at most one ulp of the dtype
-  # (2^-8 in bf16) for the few values it flips.
+  # The aligned path (block_m 16) on the same inputs: same products; only the f32 sums add in
+  # another order (split GEMMs' atomics, the fused kernel's warps), which moves a rounding point
+  # by at most one ulp of the dtype (2^-8 in bf16) for the few values it flips.
   aligned = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
                                        block_m=16)
   assert _rel(got, aligned.astype(jnp.float32)) <= 2.0**-8
 
 
+# The fused decode kernel on the small-expert models' layer shapes (fewer experts: the kernel's
+# work depends on K, H and I only), every group size, zero points, biases, both dtypes.
+# (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation)
+FUSED_DECODE_CASES = [
+    (1, 16, 8, 2048, 768, 128, jnp.bfloat16, False, False, False, 0),   # Qwen3-30B-A3B
+    (1, 16, 8, 2048, 768, 32, jnp.float16, False, True, True, 1),
+    (1, 12, 6, 2048, 1408, 64, jnp.bfloat16, False, False, True, 0),   # DeepSeek-V2-Lite
+    (1, 12, 6, 2048, 1408, -1, jnp.float16, False, False, False, 2),
+    (1, 8, 4, 2880, 192, 32, jnp.bfloat16, False, True, False, 1),     # H % 1024 != 0
+]
+
+
+@pytest.mark.parametrize("case", FUSED_DECODE_CASES, ids=_case_id)
+def test_fused_decode_model_shapes(case):
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, fused_decode=True)
+  assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
+  kernels = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
+                                       fused_decode=False)
+  assert _rel(got, kernels.astype(jnp.float32)) <= 2.0**-8  # summation order only
+
+
+@pytest.mark.parametrize("fused_decode", [False, True], ids=["kernels", "fused"])
 @pytest.mark.parametrize("ids", [[[3, 99]], [[5, 5]], [[-1, 200]]],
                          ids=["foreign", "repeated", "none_local"])
-def test_one_token_odd_ids(ids):
+def test_one_token_odd_ids(ids, fused_decode):
   """The decode path's blocks with an out-of-range expert compute nothing but still count for the
   finalize; a repeated expert is two blocks. Poisoned output: every column is written."""
   weights, (w13, w2, b13, b2) = _build(15, 8, 256, 1024, 128, jnp.bfloat16, bias=True)
@@ -367,8 +393,8 @@ def test_one_token_odd_ids(ids):
   topk_w = jnp.array([[0.7, 0.3]], jnp.float32)
   x = jax.random.normal(jax.random.PRNGKey(16), (1, 256), jnp.float32).astype(jnp.bfloat16)
   poison = jnp.full((1, 256), jnp.nan, jnp.bfloat16)
-  got = np.asarray(wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids,
-                                              out_init=poison).astype(jnp.float32))
+  got = np.asarray(wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, out_init=poison,
+                                              fused_decode=fused_decode).astype(jnp.float32))
   assert np.isfinite(got).all(), "unwritten (NaN) output elements"
   want = np.asarray(_reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=0,
                                         dtype=jnp.bfloat16).astype(jnp.float32))
@@ -442,6 +468,8 @@ def test_bad_input_raises_python_errors():
     wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids.astype(jnp.float32))
   with pytest.raises(ValueError, match="block_m"):
     wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, block_m=24)
+  with pytest.raises(ValueError, match="one-token path"):
+    wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, fused_decode=True)
   # The handler's checks: w13 handed over as w2 (wrong shape for the attributes).
   from jax_moeq import _ffi
   from jax_moeq.ops import _gpu_launch
@@ -462,7 +490,16 @@ def test_bad_input_raises_python_errors():
         hidden_size=np.int64(h), intermediate_size=np.int64(i), groups13=np.int64(h // 64),
         groups2=np.int64(i // 64), block_m=np.int64(8), split13=np.int64(1),
         split2=np.int64(1), activation_kind=np.int64(0), has_zeros=False, has_bias=False,
-        act_order=False, mainloop=np.int64(0), one_token=False))
+        act_order=False, mainloop=np.int64(0), one_token=False, fused_decode=False))
+  # fused_decode without the one-token path (a call bypassing Python's choice): refused.
+  with pytest.raises(Exception, match="fused_decode needs the one_token path"):
+    jax.block_until_ready(call(
+        x, topk_ids, topk_w, w.w13, w.w13_scales, w.w13_zeros, w.w13_bias, w.w2, w.w2_scales,
+        w.w2_zeros, w.w2_bias, w.w13_perm, w.w2_inv_perm, batched=False,
+        hidden_size=np.int64(h), intermediate_size=np.int64(i), groups13=np.int64(h // 64),
+        groups2=np.int64(i // 64), block_m=np.int64(8), split13=np.int64(1),
+        split2=np.int64(1), activation_kind=np.int64(0), has_zeros=False, has_bias=False,
+        act_order=False, mainloop=np.int64(0), one_token=False, fused_decode=True))
 
 
 def test_jit_matches_eager():

@@ -73,7 +73,7 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
                          int64_t intermediate_size, int64_t local_expert_offset,
                          int64_t routing_method, int64_t num_expert_group, int64_t topk_group,
                          float routed_scaling_factor, bool has_bias, int64_t block_m,
-                         int64_t split13, int64_t split2, int64_t mainloop, bool one_token) {
+                         int64_t split13, int64_t split2, int64_t mainloop, bool one_token, bool fused_decode) {
   cuda::MxInt4MoeProblem p;
   const auto xd = x.dimensions();
   if (xd.size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(xd));
@@ -105,6 +105,7 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   p.split2 = static_cast<int>(split2);
   p.mainloop = static_cast<int>(mainloop);
   p.one_token = one_token;
+  p.fused_decode = fused_decode;
   if (has_bias) {
     RETURN_IF_ERROR(CheckBuffer("e_score_correction_bias", bias, ffi::F32, "float32",
                                 {p.num_experts}));
@@ -169,12 +170,12 @@ ffi::Error MxInt4MoeIntoImpl(
     ffi::Result<ffi::AnyBuffer> ws2, ffi::Result<ffi::AnyBuffer> x_perm, int64_t top_k,
     int64_t intermediate_size, int64_t local_expert_offset, int64_t routing_method,
     int64_t num_expert_group, int64_t topk_group, float routed_scaling_factor, bool has_bias,
-    int64_t block_m, int64_t split13, int64_t split2, int64_t mainloop, bool one_token) {
+    int64_t block_m, int64_t split13, int64_t split2, int64_t mainloop, bool one_token, bool fused_decode) {
   return MxInt4MoeImpl(stream, x, logits, bias, w13, s13, w2, s2, out, topk_ids, topk_weights,
                        local_ids, sorted_ids, expert_ids, num_post_padded, act, ws13, ws2, x_perm,
                        top_k, intermediate_size, local_expert_offset, routing_method,
                        num_expert_group, topk_group, routed_scaling_factor, has_bias, block_m,
-                       split13, split2, mainloop, one_token);
+                       split13, split2, mainloop, one_token, fused_decode);
 }
 
 auto BindArgs() {
@@ -215,7 +216,8 @@ auto BindResultsAndAttrs(Binding binding) {
       .template Attr<int64_t>("split13")
       .template Attr<int64_t>("split2")
       .template Attr<int64_t>("mainloop")
-      .template Attr<bool>("one_token");
+      .template Attr<bool>("one_token")
+      .template Attr<bool>("fused_decode");
 }
 
 }  // namespace

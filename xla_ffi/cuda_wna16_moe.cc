@@ -60,7 +60,7 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
                         bool batched, int64_t hidden_size, int64_t intermediate_size,
                         int64_t groups13, int64_t groups2, int64_t block_m, int64_t split13,
                         int64_t split2, int64_t activation_kind, bool has_zeros, bool has_bias,
-                        bool act_order, int64_t mainloop, bool one_token) {
+                        bool act_order, int64_t mainloop, bool one_token, bool fused_decode) {
   cuda::Wna16MoeProblem p;
   switch (x.element_type()) {
     case ffi::BF16: p.dtype = cuda::HalfKind::kBF16; break;
@@ -82,6 +82,7 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   p.act_order = act_order;
   p.mainloop = static_cast<int>(mainloop);
   p.one_token = one_token;
+  p.fused_decode = fused_decode;
   const int64_t H = hidden_size, I = intermediate_size;
   const auto w13d = w13.dimensions();
   if (w13d.size() != 5) return Invalid("w13 must be packed [E, 2I/16, H/64, 32, 4] uint32");
@@ -247,7 +248,8 @@ auto BindResultsAndAttrs(Binding binding) {
       .template Attr<bool>("has_bias")
       .template Attr<bool>("act_order")
       .template Attr<int64_t>("mainloop")
-      .template Attr<bool>("one_token");
+      .template Attr<bool>("one_token")
+      .template Attr<bool>("fused_decode");
 }
 
 ffi::Error Wna16MoeIntoImpl(
@@ -261,12 +263,12 @@ ffi::Error Wna16MoeIntoImpl(
     ffi::Result<ffi::AnyBuffer> ws13, ffi::Result<ffi::AnyBuffer> ws2, bool batched,
     int64_t hidden_size, int64_t intermediate_size, int64_t groups13, int64_t groups2,
     int64_t block_m, int64_t split13, int64_t split2, int64_t activation_kind, bool has_zeros,
-    bool has_bias, bool act_order, int64_t mainloop, bool one_token) {
+    bool has_bias, bool act_order, int64_t mainloop, bool one_token, bool fused_decode) {
   return Wna16MoeImpl(stream, x, route_ids, route_weights, w13, s13, z13, b13, w2, s2, z2, b2,
                       perm13, inv_perm2, out, sorted_ids, expert_ids, num_post_padded, x_perm,
                       act, ws13, ws2, batched, hidden_size, intermediate_size, groups13, groups2,
                       block_m, split13, split2, activation_kind, has_zeros, has_bias, act_order,
-                      mainloop, one_token);
+                      mainloop, one_token, fused_decode);
 }
 
 }  // namespace

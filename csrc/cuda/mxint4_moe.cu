@@ -4,6 +4,7 @@
 // (moe_int4_gemm.cuh) with signed nibbles and bf16 scales per 32 inputs.
 #include <algorithm>
 
+#include "cuda/moe_int4_decode.cuh"
 #include "cuda/moe_int4_gemm.cuh"
 #include "cuda/moe_int4_wgmma.cuh"
 #include "cuda/mxint4_moe.h"
@@ -130,6 +131,7 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   if (p.one_token && !DecodesWithoutAlignment(true, false, p.tokens, p.block_m)) {
     return "one_token (the decode path without alignment) needs one token and block_m 8";
   }
+  if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
   if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
     return "problem too large for 32-bit row indexing";
   }
@@ -149,10 +151,33 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   // 1. Routing. At one token with GEMM1 split, its launch also zeroes GEMM1's workspace, so that
   // GEMM1 follows it with the dependent launch instead of after a memset.
   const bool direct = p.one_token;
-  const bool zero13_in_routing = direct && p.split13 > 1;
+  const bool zero13_in_routing = direct && !p.fused_decode && p.split13 > 1;
   err = RunMxInt4Routing(p, stream, zero13_in_routing ? p.ws13 : nullptr,
                          zero13_in_routing ? MxInt4MoeWs13Floats(p) : 0);
   if (!err.empty()) return err;
+
+  // One token whose pairs' weights fit the GPU's shared memory: the rest in one kernel.
+  if (p.fused_decode) {
+    DecodeLayerArgs a;
+    a.x = p.x;
+    a.pair_experts = p.local_ids;
+    a.experts = L;
+    a.topk_weights = p.topk_weights;
+    a.top_k = static_cast<int>(p.top_k);
+    a.hidden = H;
+    a.inter = I;
+    a.group1 = kGroupSize;
+    a.group2 = kGroupSize;
+    a.w13 = static_cast<const uint4*>(p.w13);
+    a.s13 = static_cast<const uint32_t*>(p.s13);
+    a.w2 = static_cast<const uint4*>(p.w2);
+    a.s2 = static_cast<const uint32_t*>(p.s2);
+    a.activation = 0;
+    a.act = p.act;
+    a.out = p.out;
+    if (std::string e = DeviceDecodeLayerPlan(a.top_k, H, I, &a.plan); !e.empty()) return e;
+    return LaunchDecodeLayer<Bf16, NibbleCode::kSignedInt4>(a, stream);
+  }
 
   // 2. This rank's pairs to expert blocks (local id -1: dropped); the same launch zeroes the
   // split-K workspaces. At one token (DecodesWithoutAlignment) neither: each pair is its own

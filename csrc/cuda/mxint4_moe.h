@@ -46,6 +46,7 @@ struct MxInt4MoeProblem {
   int split2 = 1;
   int mainloop = 0;           // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
   bool one_token = false;     // the decode path without alignment (DecodesWithoutAlignment holds)
+  bool fused_decode = false;  // after routing, the layer as one kernel (moe_int4_decode.cuh)
 
   // Inputs.
   const void* x = nullptr;           // bf16 [T, H]

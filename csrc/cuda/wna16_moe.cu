@@ -3,6 +3,7 @@
 // core lives in moe_int4_gemm.cuh.
 #include <algorithm>
 
+#include "cuda/moe_int4_decode.cuh"
 #include "cuda/moe_int4_gemm.cuh"
 #include "cuda/moe_int4_wgmma.cuh"
 #include "cuda/wna16_moe.h"
@@ -78,6 +79,33 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int64_t max_blocks = Wna16MoeMaxBlocks(p);
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts);
+
+  // One token whose pairs' weights fit the GPU's shared memory: the whole layer in one kernel.
+  if (p.fused_decode) {
+    DecodeLayerArgs a;
+    a.x = p.x;
+    a.pair_experts = p.topk_ids;
+    a.experts = E;
+    a.topk_weights = p.topk_weights;
+    a.top_k = static_cast<int>(p.top_k);
+    a.hidden = H;
+    a.inter = I;
+    a.group1 = static_cast<int>(H / p.groups13);
+    a.group2 = static_cast<int>(I / p.groups2);
+    a.w13 = static_cast<const uint4*>(p.w13);
+    a.s13 = static_cast<const uint32_t*>(p.s13);
+    a.z13 = p.has_zeros ? static_cast<const uint32_t*>(p.z13) : nullptr;
+    a.b13 = p.has_bias ? p.b13 : nullptr;
+    a.w2 = static_cast<const uint4*>(p.w2);
+    a.s2 = static_cast<const uint32_t*>(p.s2);
+    a.z2 = p.has_zeros ? static_cast<const uint32_t*>(p.z2) : nullptr;
+    a.b2 = p.has_bias ? p.b2 : nullptr;
+    a.activation = p.activation;
+    a.act = p.act;
+    a.out = p.out;
+    if (std::string err = DeviceDecodeLayerPlan(a.top_k, H, I, &a.plan); !err.empty()) return err;
+    return LaunchDecodeLayer<T, NibbleCode::kUint4b8>(a, stream);
+  }
 
   // 1. Token-to-expert alignment; the same launch zeroes the split-K workspaces. At one token
   // (DecodesWithoutAlignment) neither: each pair is its own block, GEMM1 clears ws2 and a memset
@@ -243,6 +271,7 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
     return "one_token (the decode path without alignment) needs one token, the standard format, "
            "no act-order and block_m 8";
   }
+  if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
     return "intermediate size must be a positive multiple of 64";

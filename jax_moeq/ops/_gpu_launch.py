@@ -177,3 +177,65 @@ def choose_split(busy_blocks: int, units: int, chunks: int, block_m: int, ws_byt
         (cost == best_cost and live > best_split and ctas * live <= wave)):
       best_cost, best_split = cost, live
   return best_split
+
+
+# The one-token fused decode kernel (csrc/cuda/moe_int4_decode.cuh): the whole layer in one
+# cooperative launch of one CTA per SM, every weight byte of the token's pairs held in shared
+# memory at once. The plan below repeats PlanDecodeLayer's arithmetic (keep the two in step; the
+# FFI handler checks the plan again with the device's own figures and refuses one that does not
+# fit).
+DECODE_WARPS = 16            # kDecodeWarps
+DECODE_MAX_SLICE1 = 4        # kDecodeMaxSlice1: GEMM1 chunks per warp and unit
+DECODE_MAX_ITEMS2 = 16       # kDecodeMaxItems2: GEMM2 chunks per warp
+MAX_SHARED_BYTES_PER_CTA = 232448  # opt-in shared memory per block, H100 / H200 (227 KB)
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _align16(a: int) -> int:
+  return _ceil_div(a, 16) * 16
+
+
+def fused_decode_error(top_k: int, hidden: int, intermediate: int,
+                       ctas: int | None = None) -> str:
+  """Why the fused decode kernel cannot take a one-token call of these shapes ("" when it can):
+  each CTA's share of the pairs' weights, the token, the activations and its sums must fit one
+  SM's shared memory (PlanDecodeLayer / DecodeLayerPlanError in csrc/cuda/moe_int4_decode.cuh)."""
+  ctas = num_sms() if ctas is None else ctas
+  max_units1 = _ceil_div(top_k * (intermediate // 16), ctas)
+  max_units2 = _ceil_div(hidden // 16, ctas)
+  slice1 = _ceil_div(hidden // 64, DECODE_WARPS)
+  items2 = _ceil_div(max_units2 * top_k * (intermediate // 64), DECODE_WARPS)
+  if slice1 > DECODE_MAX_SLICE1:
+    return "fused decode needs hidden <= 4096"
+  if items2 > DECODE_MAX_ITEMS2:
+    return f"fused decode: GEMM2 has more than {DECODE_MAX_ITEMS2} chunks per warp"
+  smem = (DECODE_WARPS * (2 * max_units1 * slice1 + items2) * 512 + _align16(hidden * 2)
+          + _align16(top_k * intermediate * 2) + max_units1 * 32 * 4
+          + _align16(max_units2 * top_k * 16 * 4) + DECODE_WARPS * (max_units1 + 1) * 8)
+  if smem > MAX_SHARED_BYTES_PER_CTA:
+    return (f"fused decode needs {smem} bytes of shared memory per CTA, the device has "
+            f"{MAX_SHARED_BYTES_PER_CTA}")
+  return ""
+
+
+def choose_fused_decode(requested: bool | None, *, one_token: bool, top_k: int, hidden: int,
+                        intermediate: int) -> bool:
+  """Whether a call runs as the one fused decode kernel: None (automatic) takes it wherever it
+  fits (measured faster there, docs/performance.md); True requires it (ValueError naming why it
+  cannot); False keeps the multi-kernel one-token path."""
+  if requested is False:
+    return False
+  if not one_token:
+    if requested:
+      raise ValueError("fused_decode=True needs the one-token path: one token, the standard "
+                       "format, no act-order and block_m 8")
+    return False
+  error = fused_decode_error(top_k, hidden, intermediate)
+  if error:
+    if requested:
+      raise ValueError(f"fused_decode=True: {error}")
+    return False
+  return True

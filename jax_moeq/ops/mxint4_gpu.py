@@ -260,7 +260,7 @@ def _validate_routing(router_logits, top_k, routing_method, num_expert_group, to
 def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *, num_experts,
                  top_k, intermediate_size, local_num_experts, ep_rank, num_expert_group,
                  topk_group, e_score_correction_bias, routed_scaling_factor, routing_method,
-                 block_m, out_init, mainloop=None):
+                 block_m, out_init, mainloop=None, fused_decode=None):
   """Validates, then calls the FFI target; returns (out, topk_ids, topk_weights)."""
   x = jnp.asarray(x)
   router_logits = jnp.asarray(router_logits)
@@ -312,7 +312,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   static = dict(num_experts=num_experts, top_k=top_k, intermediate_size=i, local_experts=el,
                 offset=offset, method=method, num_expert_group=num_expert_group,
                 topk_group=topk_group, has_bias=has_bias,
-                routed_scaling_factor=routed_scaling_factor, block_m=block_m, mainloop=mainloop)
+                routed_scaling_factor=routed_scaling_factor, block_m=block_m, mainloop=mainloop,
+                fused_decode=fused_decode)
   token_args = (x, router_logits)
   has_out = out_init is not None
   if has_out:
@@ -332,7 +333,8 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
 
 def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2_scale, bias, *,
                 num_experts, top_k, intermediate_size, local_experts, offset, method,
-                num_expert_group, topk_group, has_bias, routed_scaling_factor, block_m, mainloop):
+                num_expert_group, topk_group, has_bias, routed_scaling_factor, block_m, mainloop,
+                fused_decode):
   """The FFI call on validated operands; launch choices follow x's token count."""
   from jax_moeq import _ffi
   _ffi.cuda_library()
@@ -356,6 +358,8 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
   kept = 1 if topk_group is None else int(topk_group)
   # The one-token decode path: decided here, checked again by the FFI handler.
   one_token = _gpu_launch.decodes_without_alignment(t, block_m)
+  fused = _gpu_launch.choose_fused_decode(fused_decode, one_token=one_token, top_k=top_k,
+                                          hidden=h, intermediate=i)
   results = [
       jax.ShapeDtypeStruct((t, h), jnp.bfloat16),         # out
       jax.ShapeDtypeStruct((t, top_k), jnp.int32),        # topk_ids
@@ -377,7 +381,7 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
                num_expert_group=np.int64(groups), topk_group=np.int64(kept),
                routed_scaling_factor=np.float32(scale), has_bias=has_bias,
                block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2),
-               mainloop=np.int64(mainloop_id), one_token=one_token)
+               mainloop=np.int64(mainloop_id), one_token=one_token, fused_decode=fused)
   if out_init is None:
     call = jax.ffi.ffi_call(FFI_TARGET, results)
   else:
@@ -396,7 +400,7 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
                routed_scaling_factor: float | None = None,
                routing_method: int | RoutingMethodType = RoutingMethodType.Renormalize,
                block_m: int | None = None, out_init: Array | None = None,
-               mainloop: str | None = None) -> Array:
+               mainloop: str | None = None, fused_decode: bool | None = None) -> Array:
   """MxInt4 fused MoE on a Hopper GPU, routing included (the seed's
   `flashinfer_trtllm_mxint4_moe` arguments); an `ffi_call`, usable under jit.
 
@@ -422,6 +426,9 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
     mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS); None picks the measured-fastest for
       the block_m ("async_ring" up to block_m 16, else "registers").
+    fused_decode: at one token, routing then the rest of the layer as one kernel (None: wherever
+      its weights fit shared memory, `_gpu_launch.choose_fused_decode`; True: required; False:
+      never).
 
   Returns:
     [T, H] bfloat16.
@@ -432,7 +439,7 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       ep_rank=ep_rank, num_expert_group=num_expert_group, topk_group=topk_group,
       e_score_correction_bias=e_score_correction_bias,
       routed_scaling_factor=routed_scaling_factor, routing_method=routing_method,
-      block_m=block_m, out_init=out_init, mainloop=mainloop)[0]
+      block_m=block_m, out_init=out_init, mainloop=mainloop, fused_decode=fused_decode)[0]
 
 
 def mxint4_moe_with_routing(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Array,

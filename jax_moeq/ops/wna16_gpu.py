@@ -327,7 +327,7 @@ def _check_x_dtype(x: Array, weights: Wna16MoeWeights) -> Wna16MoeWeights:
 
 def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: bool,
           activation_kind: int, block_m: int | None, out_init: Array | None,
-          mainloop: str | None = None):
+          mainloop: str | None = None, fused_decode: bool | None = None):
   if activation_kind not in ACTIVATION_KINDS:
     raise ValueError(f"activation_kind must be one of {ACTIVATION_KINDS}, got {activation_kind}")
   from jax_moeq import _ffi
@@ -358,6 +358,9 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
   # The one-token decode path: decided here, checked again by the FFI handler.
   one_token = _gpu_launch.decodes_without_alignment(x.shape[0], block_m, batched=batched,
                                                     act_order=weights.act_order)
+  fused = _gpu_launch.choose_fused_decode(
+      fused_decode, one_token=one_token, top_k=0 if batched else route_ids.shape[1], hidden=h,
+      intermediate=i)
   dt = x.dtype
   out_shape = x.shape
   results = [
@@ -380,7 +383,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
       block_m=np.int64(block_m), split13=np.int64(split13), split2=np.int64(split2),
       activation_kind=np.int64(activation_kind), has_zeros=weights.has_zeros,
       has_bias=weights.has_bias, act_order=weights.act_order, mainloop=np.int64(mainloop_id),
-      one_token=one_token)
+      one_token=one_token, fused_decode=fused)
   # The standard format's vmap rule folds tokens (fused_marlin_moe); the batched format's calls
   # run one per batch element.
   vmap_method = "sequential" if batched else None
@@ -406,7 +409,8 @@ def _validate_common(x, weights: Wna16MoeWeights, x_rank: int):
 
 def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, topk_ids: Array,
                      *, activation_kind: int = 0, block_m: int | None = None,
-                     out_init: Array | None = None, mainloop: str | None = None) -> Array:
+                     out_init: Array | None = None, mainloop: str | None = None,
+                     fused_decode: bool | None = None) -> Array:
   """WNA16 fused MoE on the GPU (MARLIN backend, standard format); usable under jit.
 
   Args:
@@ -420,6 +424,8 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     out_init: optional buffer aliased to the output (tests poison it with NaN).
     mainloop: GEMM main loop, "registers" (default), "async_ring" or "bulk_copy" (see
       `_gpu_launch.MAINLOOPS`).
+    fused_decode: at one token, the whole layer as one kernel (None: wherever its weights fit
+      shared memory, `_gpu_launch.choose_fused_decode`; True: required; False: never).
   Returns:
     [T, H] in x's dtype. Under vmap, token sets sharing the weights are one call on their
     concatenated tokens (launch choices follow the folded T); per-batch weights run in sequence.
@@ -441,7 +447,8 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
   def call(x, ids, w, *rest):
     out_buffer, shared = (rest[0], rest[1]) if has_out else (None, rest[0])
     return _call(x, ids, w, shared, batched=False, activation_kind=activation_kind,
-                 block_m=block_m, out_init=out_buffer, mainloop=mainloop)
+                 block_m=block_m, out_init=out_buffer, mainloop=mainloop,
+                 fused_decode=fused_decode)
 
   return fold_token_batches(call, len(token_args))(*token_args, weights)
 

@@ -1,0 +1,419 @@
+// The one-token MoE layer in one kernel ("fused decode"): GEMM1 + activation, a grid-wide
+// barrier, GEMM2 + top-k weighting + reduction over k, for a token whose K pairs' weights fit in
+// the GPU's shared memory (small-expert models: Qwen3-30B-A3B, DeepSeek-V2-Lite). No XLA types.
+//
+// Why: at one token the multi-kernel path is three to four short launches, each a chain of
+// dependent steps with few warps in flight (stop 15: 19-34 % of the copy rate at Qwen3 shapes).
+// Here one CTA per SM (cooperative launch, so every CTA is resident for the grid barrier) issues
+// bulk copies of *all* its weights, GEMM2's included, as soon as the token's experts are known:
+// the layer's weights stream as one burst while GEMM1 computes behind the arrivals, and GEMM2
+// finds its weights in shared memory when the barrier releases it.
+//
+// Work split (the plan, PlanDecodeLayer; jax_moeq/ops/_gpu_launch.py repeats its arithmetic):
+//  GEMM1 unit  = (pair p, 16 activation columns u): gate subtile u and up subtile I/16 + u of
+//                pair p's expert over all of K = H. CTA c takes units [c U1 / G, (c+1) U1 / G);
+//                warp w of every CTA takes the chunk slice [w C1 / W, (w+1) C1 / W) of each, and
+//                the warps' sums meet in shared f32 (atomics), then the CTA applies the
+//                activation and stores act[p][16 u + r] (global, read back after the barrier).
+//  GEMM2 item  = (output subtile, pair, 64-deep chunk); CTA c takes subtiles
+//                [c U2 / G, (c+1) U2 / G) and warp w a contiguous range of their items.
+// Weights are the layouts of int4_mma_core.cuh; the arithmetic is MmaChunk's (each weight
+// round_to_T(q s), f32 accumulation), so results match the multi-kernel path's rounding points.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include "cuda/moe_int4_gemm.cuh"
+
+namespace jax_moeq::cuda {
+
+constexpr int kDecodeWarps = 16;
+constexpr int kDecodeMaxSlice1 = 4;   // GEMM1 chunks per warp and unit (hidden <= 4096)
+constexpr int kDecodeMaxItems2 = 16;  // GEMM2 chunks per warp (scales held in registers)
+constexpr int kDecodeChunkBytes = 512;
+
+// Shared-memory layout and work split of one call, from (ctas, top_k, hidden, inter) alone.
+struct DecodeLayerPlan {
+  int ctas = 0;
+  int units1 = 0, units2 = 0;          // GEMM1: K x I/16; GEMM2: H/16 output subtiles
+  int max_units1 = 0, max_units2 = 0;  // most of either a CTA takes
+  int slice1 = 0;                      // most GEMM1 chunks a warp takes per unit
+  int items2 = 0;                      // most GEMM2 chunks a warp takes
+  int warp_bytes = 0;                  // each warp's weight slots: GEMM1's, then GEMM2's
+  int x_offset = 0, act_offset = 0, red1_offset = 0, red2_offset = 0, bar_offset = 0;
+  int smem_bytes = 0;
+};
+
+inline int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+inline int Align16(int a) { return (a + 15) / 16 * 16; }
+
+inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inter) {
+  DecodeLayerPlan p;
+  p.ctas = ctas;
+  p.units1 = top_k * (inter / 16);
+  p.units2 = hidden / 16;
+  p.max_units1 = CeilDiv(p.units1, ctas);
+  p.max_units2 = CeilDiv(p.units2, ctas);
+  p.slice1 = CeilDiv(hidden / 64, kDecodeWarps);
+  p.items2 = CeilDiv(p.max_units2 * top_k * (inter / 64), kDecodeWarps);
+  p.warp_bytes = (2 * p.max_units1 * p.slice1 + p.items2) * kDecodeChunkBytes;
+  int offset = kDecodeWarps * p.warp_bytes;
+  p.x_offset = offset;
+  offset += Align16(hidden * 2);
+  p.act_offset = offset;
+  offset += Align16(top_k * inter * 2);
+  p.red1_offset = offset;
+  offset += p.max_units1 * 32 * 4;
+  p.red2_offset = offset;
+  offset += Align16(p.max_units2 * top_k * 16 * 4);
+  p.bar_offset = offset;
+  offset += kDecodeWarps * (p.max_units1 + 1) * 8;
+  p.smem_bytes = offset;
+  return p;
+}
+
+// Why a plan cannot run, or "" (max_smem: the device's opt-in shared memory per block).
+inline std::string DecodeLayerPlanError(const DecodeLayerPlan& p, int max_smem) {
+  if (p.slice1 > kDecodeMaxSlice1) return "fused decode needs hidden <= 4096";
+  if (p.items2 > kDecodeMaxItems2) {
+    return "fused decode: GEMM2 has more than " + std::to_string(kDecodeMaxItems2) +
+           " chunks per warp";
+  }
+  if (p.smem_bytes > max_smem) {
+    return "fused decode needs " + std::to_string(p.smem_bytes) +
+           " bytes of shared memory per CTA, the device has " + std::to_string(max_smem);
+  }
+  return "";
+}
+
+struct DecodeLayerArgs {
+  const void* x = nullptr;               // [H] T: the token
+  const int32_t* pair_experts = nullptr;  // [K]: expert of pair k; out of [0, experts): nothing
+  int experts = 0;
+  const float* topk_weights = nullptr;   // [K]
+  int top_k = 1, hidden = 0, inter = 0;
+  int group1 = 0, group2 = 0;            // scale group sizes (elements) along H and along I
+  const uint4* w13 = nullptr;            // [E][2I/16][H/64][32]
+  const uint32_t* s13 = nullptr;         // [E][H/group1][2I/16][8]
+  const uint32_t* z13 = nullptr;         // same, zero points, or null (zero point 8)
+  const float* b13 = nullptr;            // [E][2I] or null
+  const uint4* w2 = nullptr;             // [E][H/16][I/64][32]
+  const uint32_t* s2 = nullptr;          // [E][I/group2][H/16][8]
+  const uint32_t* z2 = nullptr;
+  const float* b2 = nullptr;             // [E][H] or null
+  int activation = 0;
+  void* act = nullptr;                   // [K][I] T scratch
+  void* out = nullptr;                   // [H] T
+  DecodeLayerPlan plan;
+};
+
+__device__ __forceinline__ bool ExpertInRange(int e, int experts) { return e >= 0 && e < experts; }
+
+// The scale (or zero-point) word of lane row g for input k of subtile `sub` of expert e.
+__device__ __forceinline__ uint32_t GroupWord(const uint32_t* words, int e, int groups, int n_sub,
+                                              int sub, int group_size, int k, int g) {
+  const int64_t index =
+      ((static_cast<int64_t>(e) * groups + k / group_size) * n_sub + sub) * 8 + g;
+  return __ldg(words + index);
+}
+
+// The B operand of one chunk at one token: lanes of row 0 (g == 0) hold the token's 16 inputs
+// 16 t + [0, 16) of the chunk, the other lanes zeros (token columns 1-7 of the mma).
+template <typename T>
+__device__ __forceinline__ void TokenChunk(const T* base, int g, int t, uint4 (&x)[1][2]) {
+  if (g == 0) {
+    const uint32_t a = SharedAddress(base + 16 * t);
+    x[0][0] = LdShared128(a);
+    x[0][1] = LdShared128(a + 16);
+  } else {
+    x[0][0] = make_uint4(0, 0, 0, 0);
+    x[0][1] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <typename T, NibbleCode kCode>
+__global__ void __launch_bounds__(kDecodeWarps * 32, 1)
+    DecodeLayerKernel(const DecodeLayerArgs p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const DecodeLayerPlan& plan = p.plan;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int K = p.top_k, H = p.hidden, I = p.inter;
+  const int c1 = H / 64, c2 = I / 64;
+  const int units_per_pair = I / 16;
+  const int n13_sub = 2 * I / 16, n2_sub = H / 16;
+  const int groups1 = H / p.group1, groups2 = I / p.group2;
+
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bar_offset) + warp * (plan.max_units1 + 1);
+  uint64_t* bar2 = bars + plan.max_units1;
+  float* red1 = reinterpret_cast<float*>(smem + plan.red1_offset);  // [unit][gate 16, up 16]
+  float* red2 = reinterpret_cast<float*>(smem + plan.red2_offset);  // [subtile][pair][16]
+  T* xs = reinterpret_cast<T*>(smem + plan.x_offset);
+  T* acts = reinterpret_cast<T*>(smem + plan.act_offset);
+  unsigned char* slots1 = smem + warp * plan.warp_bytes;  // [unit][2][slice1][512]
+  unsigned char* slots2 = slots1 + 2 * plan.max_units1 * plan.slice1 * kDecodeChunkBytes;
+
+  const int cta = blockIdx.x;
+  const int u1_begin = cta * plan.units1 / plan.ctas;
+  const int n_units1 = (cta + 1) * plan.units1 / plan.ctas - u1_begin;
+  const int k1_begin = warp * c1 / kDecodeWarps;
+  const int k1_count = (warp + 1) * c1 / kDecodeWarps - k1_begin;
+  const int u2_begin = cta * plan.units2 / plan.ctas;
+  const int n_units2 = (cta + 1) * plan.units2 / plan.ctas - u2_begin;
+  const int cta_items2 = n_units2 * K * c2;
+  const int i2_begin = warp * cta_items2 / kDecodeWarps;
+  const int i2_count = (warp + 1) * cta_items2 / kDecodeWarps - i2_begin;
+
+  if (lane == 0) {
+    for (int j = 0; j <= plan.max_units1; ++j) MbarrierInit(bars + j);
+  }
+  for (int i = threadIdx.x; i < plan.max_units1 * 32 + plan.max_units2 * K * 16; i += blockDim.x) {
+    red1[i] = 0.0f;  // red2 follows red1 directly (both f32, red1's size a multiple of 16 B)
+  }
+  __syncthreads();  // barriers initialized, sums zeroed
+
+  // The token, its experts and weights come from earlier kernels (the routing launch, or XLA's).
+  WaitForPriorGrids();
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
+    CpAsync16OrZero(xs + 8 * i, static_cast<const T*>(p.x) + 8 * i, true);
+  }
+  CpAsyncCommit();
+
+  // Every weight byte this warp will use, requested at once (lane 0; each barrier's one arrival
+  // announces its bytes, an expert out of range announces none).
+  if (lane == 0) {
+    const uint32_t slice_bytes = k1_count * kDecodeChunkBytes;
+    for (int j = 0; j < plan.max_units1; ++j) {
+      const int unit = u1_begin + j;
+      const int e = j < n_units1 ? __ldg(p.pair_experts + unit / units_per_pair) : -1;
+      const bool load = ExpertInRange(e, p.experts) && slice_bytes > 0;
+      MbarrierExpectBytes(bars + j, load ? 2 * slice_bytes : 0);
+      if (!load) continue;
+      const int u = unit % units_per_pair;
+      for (int s = 0; s < 2; ++s) {
+        const int sub = u + s * units_per_pair;
+        const uint4* src = p.w13 + ((static_cast<int64_t>(e) * n13_sub + sub) * c1 + k1_begin) * 32;
+        BulkCopyToShared(slots1 + (j * 2 + s) * plan.slice1 * kDecodeChunkBytes, src,
+                         slice_bytes, bars + j);
+      }
+    }
+    // GEMM2: runs of items of one (subtile, pair) are contiguous chunks of one weight subtile.
+    uint32_t bytes2 = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass == 1) MbarrierExpectBytes(bar2, bytes2);
+      int i = 0;
+      while (i < i2_count) {
+        const int item = i2_begin + i;
+        const int key = item / c2, c = item % c2;  // key = subtile j2 * K + pair
+        const int run = min(c2 - c, i2_count - i);
+        const int e = __ldg(p.pair_experts + key % K);
+        if (ExpertInRange(e, p.experts)) {
+          const uint32_t bytes = run * kDecodeChunkBytes;
+          if (pass == 0) {
+            bytes2 += bytes;
+          } else {
+            const int sub = u2_begin + key / K;
+            const uint4* src = p.w2 + ((static_cast<int64_t>(e) * n2_sub + sub) * c2 + c) * 32;
+            BulkCopyToShared(slots2 + i * kDecodeChunkBytes, src, bytes, bar2);
+          }
+        }
+        i += run;
+      }
+    }
+  }
+
+  // GEMM2's scales (and zero points) into registers now: they do not depend on GEMM1.
+  uint32_t scale2[kDecodeMaxItems2], zero2[kDecodeMaxItems2];
+#pragma unroll
+  for (int i = 0; i < kDecodeMaxItems2; ++i) {
+    scale2[i] = 0;
+    zero2[i] = HalfType<T>::kMagicPlus8;
+    if (i < i2_count) {
+      const int item = i2_begin + i;
+      const int key = item / c2, c = item % c2;
+      const int e = __ldg(p.pair_experts + key % K);
+      if (ExpertInRange(e, p.experts)) {
+        const int sub = u2_begin + key / K;
+        const int k = c * 64 + 16 * t;
+        scale2[i] = GroupWord(p.s2, e, groups2, n2_sub, sub, p.group2, k, g);
+        if (p.z2) zero2[i] = MagicPlusZero<T>(GroupWord(p.z2, e, groups2, n2_sub, sub, p.group2, k, g));
+      }
+    }
+  }
+
+  CpAsyncWait<0>();
+  __syncthreads();  // the token in shared memory
+
+  // GEMM1: this warp's slice of each unit, as its bytes land.
+  for (int j = 0; j < n_units1; ++j) {
+    const int unit = u1_begin + j;
+    const int e = __ldg(p.pair_experts + unit / units_per_pair);
+    if (!ExpertInRange(e, p.experts) || k1_count == 0) continue;
+    const int u = unit % units_per_pair;
+    uint32_t scale[2][kDecodeMaxSlice1], zero[2][kDecodeMaxSlice1];
+#pragma unroll
+    for (int c = 0; c < kDecodeMaxSlice1; ++c) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        scale[s][c] = 0;
+        zero[s][c] = HalfType<T>::kMagicPlus8;
+        if (c < k1_count) {
+          const int sub = u + s * units_per_pair, k = (k1_begin + c) * 64 + 16 * t;
+          scale[s][c] = GroupWord(p.s13, e, groups1, n13_sub, sub, p.group1, k, g);
+          if (p.z13) {
+            zero[s][c] = MagicPlusZero<T>(GroupWord(p.z13, e, groups1, n13_sub, sub, p.group1, k, g));
+          }
+        }
+      }
+    }
+    MbarrierWait(bars + j, 0);
+    float acc[2][1][4] = {};
+    const uint32_t base = SharedAddress(slots1 + j * 2 * plan.slice1 * kDecodeChunkBytes) + lane * 16;
+#pragma unroll
+    for (int c = 0; c < kDecodeMaxSlice1; ++c) {
+      if (c < k1_count) {
+        const uint4 w[2] = {LdShared128(base + c * kDecodeChunkBytes),
+                            LdShared128(base + (plan.slice1 + c) * kDecodeChunkBytes)};
+        uint4 xv[1][2];
+        TokenChunk<T>(xs + (k1_begin + c) * 64, g, t, xv);
+        const uint32_t sc[2] = {scale[0][c], scale[1][c]};
+        const uint32_t zm[2] = {zero[0][c], zero[1][c]};
+        MmaChunk<T, kCode, 2, 1>(w, xv, sc, zm, acc);
+      }
+    }
+    if (t == 0) {  // token column 0: c[0] row g, c[2] row g + 8
+      atomicAdd(red1 + j * 32 + g, acc[0][0][0]);
+      atomicAdd(red1 + j * 32 + g + 8, acc[0][0][2]);
+      atomicAdd(red1 + j * 32 + 16 + g, acc[1][0][0]);
+      atomicAdd(red1 + j * 32 + 24 + g, acc[1][0][2]);
+    }
+  }
+  __syncthreads();
+
+  // Activation of the CTA's units -> act (global: other CTAs' GEMM2 reads it).
+  for (int r = threadIdx.x; r < n_units1 * 16; r += blockDim.x) {
+    const int j = r >> 4, row = r & 15;
+    const int unit = u1_begin + j, pair = unit / units_per_pair;
+    const int e = __ldg(p.pair_experts + pair);
+    if (!ExpertInRange(e, p.experts)) continue;
+    const int n = (unit % units_per_pair) * 16 + row;
+    const float2 bias = GateUpBias(p.b13, e, I, n);
+    const float a = RoundedActivation<T>(p.activation, red1[j * 32 + row] + bias.x,
+                                         red1[j * 32 + 16 + row] + bias.y);
+    StoreHalf<T>(p.act, static_cast<int64_t>(pair) * I + n, a);
+  }
+
+  cooperative_groups::this_grid().sync();  // every pair's activation is in act
+
+  // act -> shared (from L2: written by other SMs in this kernel, never cached in this L1).
+  for (int i = threadIdx.x; i < K * I / 8; i += blockDim.x) {
+    CpAsyncStream16(acts + 8 * i, static_cast<const T*>(p.act) + 8 * i);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  __syncthreads();
+
+  // GEMM2: this warp's items; consecutive items of one (subtile, pair) share an accumulator.
+  if (i2_count > 0) MbarrierWait(bar2, 0);
+  float acc[1][1][4] = {};
+  int current = -1;
+#pragma unroll
+  for (int i = 0; i < kDecodeMaxItems2; ++i) {
+    if (i < i2_count) {
+      const int item = i2_begin + i;
+      const int key = item / c2, c = item % c2;
+      if (key != current) {
+        if (current >= 0 && t == 0) {
+          atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
+          atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
+        }
+        current = key;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[0][0][q] = 0.0f;
+      }
+      const int pair = key % K;
+      if (ExpertInRange(__ldg(p.pair_experts + pair), p.experts)) {
+        const uint4 w[1] = {LdShared128(SharedAddress(slots2 + i * kDecodeChunkBytes) + lane * 16)};
+        uint4 xv[1][2];
+        TokenChunk<T>(acts + static_cast<int64_t>(pair) * I + c * 64, g, t, xv);
+        const uint32_t sc[1] = {scale2[i]};
+        const uint32_t zm[1] = {zero2[i]};
+        MmaChunk<T, kCode, 1, 1>(w, xv, sc, zm, acc);
+      }
+    }
+  }
+  if (current >= 0 && t == 0) {
+    atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
+    atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
+  }
+  __syncthreads();
+
+  // out[h] = round(sum_k round((y_k + b2) * w_k)) over the pairs in range, in slot order.
+  for (int r = threadIdx.x; r < n_units2 * 16; r += blockDim.x) {
+    const int j2 = r >> 4, row = r & 15;
+    const int h = (u2_begin + j2) * 16 + row;
+    float sum = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int e = __ldg(p.pair_experts + k);
+      if (!ExpertInRange(e, p.experts)) continue;
+      float v = red2[(j2 * K + k) * 16 + row];
+      if (p.b2) v += __ldg(p.b2 + static_cast<int64_t>(e) * H + h);
+      sum += RoundTo<T>(v * __ldg(p.topk_weights + k));
+    }
+    StoreHalf<T>(p.out, h, sum);
+  }
+}
+
+// The device's plan for a call: one CTA per SM.
+inline std::string DeviceDecodeLayerPlan(int top_k, int hidden, int inter, DecodeLayerPlan* plan) {
+  int device = 0, sms = 0, max_smem = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    return "fused decode: cannot query the device";
+  }
+  *plan = PlanDecodeLayer(sms, top_k, hidden, inter);
+  return DecodeLayerPlanError(*plan, max_smem);
+}
+
+// Launches the fused decode kernel: cooperative (all CTAs resident for the grid barrier) and
+// after the prior kernel with the dependent launch. args.plan must come from
+// DeviceDecodeLayerPlan.
+template <typename T, NibbleCode kCode>
+std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) {
+  const auto kernel = DecodeLayerKernel<T, kCode>;
+  const int smem = args.plan.smem_bytes;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess) {
+    return std::string("fused decode: shared memory attribute: ") +
+           cudaGetErrorString(cudaGetLastError());
+  }
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeWarps * 32, smem) !=
+          cudaSuccess ||
+      per_sm < 1) {
+    cudaGetLastError();
+    return "fused decode: a CTA does not fit an SM";
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(args.plan.ctas);
+  config.blockDim = dim3(kDecodeWarps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeCooperative;
+  attributes[0].val.cooperative = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = DependentLaunchEnabled() ? 1 : 0;
+  config.attrs = attributes;
+  config.numAttrs = 2;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("fused decode kernel: ") + cudaGetErrorString(err);
+  }
+  return "";
+}
+
+}  // namespace jax_moeq::cuda
