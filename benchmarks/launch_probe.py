@@ -3,9 +3,11 @@ split-K factors (GEMM1, GEMM2), the variants alternating in rounds within one pr
 share the machine's state. An experiment, not a benchmark: it replaces choose_gemm_splits (and
 decodes_without_alignment) while each variant traces. A variant is "s13.s2", or "auto" (the
 library's choice), optionally followed by "/aligned": the alignment path even where one token
-could skip it (decodes_without_alignment forced false), to compare the two paths in one process.
+could skip it (decodes_without_alignment forced false), to compare the two paths in one process,
+or "/kernels": the one-token path as separate kernels where the fused decode kernel would run
+(choose_fused_decode forced false).
   python3 benchmarks/launch_probe.py wna16 Mixtral-8x7B 1 1.7 1.8
-  python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto auto/aligned
+  python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto auto/aligned auto/kernels
 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
@@ -60,26 +62,30 @@ def make_op(op: str, name: str, t: int):
 
 
 def parse_variant(text: str):
-  """(split factors or None for the library's, whether the alignment path is forced)."""
+  """(split factors or None for the library's, the forced path: "", "aligned" or "kernels")."""
   splits, _, path = text.partition("/")
-  if path not in ("", "aligned"):
-    raise ValueError(f"unknown path {path!r} in variant {text!r}: only 'aligned'")
-  return (None if splits == "auto" else tuple(int(v) for v in splits.split("."))), bool(path)
+  if path not in ("", "aligned", "kernels"):
+    raise ValueError(f"unknown path {path!r} in variant {text!r}: 'aligned' or 'kernels'")
+  return (None if splits == "auto" else tuple(int(v) for v in splits.split("."))), path
 
 
 @contextlib.contextmanager
 def forced(variant):
   """The variant's choices in force (jax.jit traces at a function's first call)."""
-  splits, aligned = variant
-  saved = _gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment
+  splits, path = variant
+  saved = (_gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment,
+           _gpu_launch.choose_fused_decode)
   try:
     if splits is not None:
       _gpu_launch.choose_gemm_splits = lambda *args, **kwargs: splits
-    if aligned:
+    if path == "aligned":
       _gpu_launch.decodes_without_alignment = lambda *args, **kwargs: False
+    if path == "kernels":
+      _gpu_launch.choose_fused_decode = lambda *args, **kwargs: False
     yield
   finally:
-    _gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment = saved
+    (_gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment,
+     _gpu_launch.choose_fused_decode) = saved
 
 
 def main():

@@ -23,6 +23,9 @@
 
 #include <cooperative_groups.h>
 
+#include <atomic>
+#include <string>
+
 #include "cuda/moe_int4_gemm.cuh"
 
 namespace jax_moeq::cuda {
@@ -364,37 +367,66 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   }
 }
 
-// The device's plan for a call: one CTA per SM.
-inline std::string DeviceDecodeLayerPlan(int top_k, int hidden, int inter, DecodeLayerPlan* plan) {
-  int device = 0, sms = 0, max_smem = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
-    return "fused decode: cannot query the device";
+// Per-device figures, queried once (a handler runs on every call, often between the GPU's
+// kernels: a few us of host work per call would show at decode).
+struct DecodeDeviceInfo {
+  int sms = 0, max_smem = 0;
+};
+constexpr int kDecodeMaxDevices = 64;
+
+inline std::string DecodeDevice(int* device, DecodeDeviceInfo* info) {
+  static std::atomic<int> sms[kDecodeMaxDevices], max_smem[kDecodeMaxDevices];
+  if (cudaGetDevice(device) != cudaSuccess || *device < 0 || *device >= kDecodeMaxDevices) {
+    cudaGetLastError();
+    return "fused decode: no usable current device";
   }
-  *plan = PlanDecodeLayer(sms, top_k, hidden, inter);
-  return DecodeLayerPlanError(*plan, max_smem);
+  if (sms[*device].load() == 0) {
+    int n = 0, bytes = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, *device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, *device) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      return "fused decode: cannot query the device";
+    }
+    max_smem[*device].store(bytes);
+    sms[*device].store(n);
+  }
+  info->sms = sms[*device].load();
+  info->max_smem = max_smem[*device].load();
+  return "";
 }
 
-// Launches the fused decode kernel: cooperative (all CTAs resident for the grid barrier) and
-// after the prior kernel with the dependent launch. args.plan must come from
-// DeviceDecodeLayerPlan.
+// The device's plan for a call: one CTA per SM.
+inline std::string DeviceDecodeLayerPlan(int top_k, int hidden, int inter, DecodeLayerPlan* plan) {
+  int device = 0;
+  DecodeDeviceInfo info;
+  if (std::string err = DecodeDevice(&device, &info); !err.empty()) return err;
+  *plan = PlanDecodeLayer(info.sms, top_k, hidden, inter);
+  return DecodeLayerPlanError(*plan, info.max_smem);
+}
+
+// Launches the fused decode kernel: cooperative (all CTAs resident for the grid barrier; the
+// launch fails rather than deadlocks when they cannot be) and after the prior kernel with the
+// dependent launch. args.plan must come from DeviceDecodeLayerPlan. __launch_bounds__(512, 1)
+// keeps the registers within one CTA per SM; the plan checked the shared memory.
 template <typename T, NibbleCode kCode>
 std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) {
   const auto kernel = DecodeLayerKernel<T, kCode>;
   const int smem = args.plan.smem_bytes;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess) {
-    return std::string("fused decode: shared memory attribute: ") +
-           cudaGetErrorString(cudaGetLastError());
-  }
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeWarps * 32, smem) !=
-          cudaSuccess ||
-      per_sm < 1) {
+  // The shared-memory opt-in, raised per device as plans need more (once per shape in practice).
+  static std::atomic<int> opted_in[kDecodeMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDecodeMaxDevices) {
     cudaGetLastError();
-    return "fused decode: a CTA does not fit an SM";
+    return "fused decode: no usable current device";
+  }
+  if (opted_in[device].load() < smem) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+        cudaSuccess) {
+      return std::string("fused decode: shared memory attribute: ") +
+             cudaGetErrorString(cudaGetLastError());
+    }
+    opted_in[device].store(smem);
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(args.plan.ctas);
