@@ -34,10 +34,14 @@ constexpr int kDecodeWarps = 16;
 constexpr int kDecodeMaxSlice1 = 4;   // GEMM1 chunks per warp and unit (hidden <= 4096)
 constexpr int kDecodeMaxItems2 = 16;  // GEMM2 chunks per warp (scales held in registers)
 constexpr int kDecodeChunkBytes = 512;
+// Static shared memory beside the plan's dynamic bytes (ptxas: 1024 for the staged expert ids
+// and weights and the grid barrier's needs); the plan's check counts it.
+constexpr int kDecodeStaticSmemBytes = 1024;
 
 // Shared-memory layout and work split of one call, from (ctas, top_k, hidden, inter) alone.
 struct DecodeLayerPlan {
   int ctas = 0;
+  int top_k = 0;
   int units1 = 0, units2 = 0;          // GEMM1: K x I/16; GEMM2: H/16 output subtiles
   int max_units1 = 0, max_units2 = 0;  // most of either a CTA takes
   int slice1 = 0;                      // most GEMM1 chunks a warp takes per unit
@@ -53,6 +57,7 @@ inline int Align16(int a) { return (a + 15) / 16 * 16; }
 inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inter) {
   DecodeLayerPlan p;
   p.ctas = ctas;
+  p.top_k = top_k;
   p.units1 = top_k * (inter / 16);
   p.units2 = hidden / 16;
   p.max_units1 = CeilDiv(p.units1, ctas);
@@ -77,13 +82,14 @@ inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inte
 
 // Why a plan cannot run, or "" (max_smem: the device's opt-in shared memory per block).
 inline std::string DecodeLayerPlanError(const DecodeLayerPlan& p, int max_smem) {
+  if (p.top_k > 32) return "fused decode needs top_k <= 32";
   if (p.slice1 > kDecodeMaxSlice1) return "fused decode needs hidden <= 4096";
   if (p.items2 > kDecodeMaxItems2) {
     return "fused decode: GEMM2 has more than " + std::to_string(kDecodeMaxItems2) +
            " chunks per warp";
   }
-  if (p.smem_bytes > max_smem) {
-    return "fused decode needs " + std::to_string(p.smem_bytes) +
+  if (p.smem_bytes + kDecodeStaticSmemBytes > max_smem) {
+    return "fused decode needs " + std::to_string(p.smem_bytes + kDecodeStaticSmemBytes) +
            " bytes of shared memory per CTA, the device has " + std::to_string(max_smem);
   }
   return "";
@@ -96,6 +102,7 @@ struct DecodeLayerArgs {
   const float* topk_weights = nullptr;   // [K]
   int top_k = 1, hidden = 0, inter = 0;
   int group1 = 0, group2 = 0;            // scale group sizes (elements) along H and along I
+  FastDiv group1_div, group2_div;        // element index -> group (SetDecodeGroups)
   const uint4* w13 = nullptr;            // [E][2I/16][H/64][32]
   const uint32_t* s13 = nullptr;         // [E][H/group1][2I/16][8]
   const uint32_t* z13 = nullptr;         // same, zero points, or null (zero point 8)
@@ -110,14 +117,37 @@ struct DecodeLayerArgs {
   DecodeLayerPlan plan;
 };
 
+inline void SetDecodeGroups(DecodeLayerArgs& a, int group1, int group2) {
+  a.group1 = group1;
+  a.group2 = group2;
+  a.group1_div = MakeFastDiv(static_cast<uint32_t>(group1));
+  a.group2_div = MakeFastDiv(static_cast<uint32_t>(group2));
+}
+
+constexpr int kDecodeMaxTopK = 32;  // expert ids and weights staged in shared memory
+
 __device__ __forceinline__ bool ExpertInRange(int e, int experts) { return e >= 0 && e < experts; }
 
-// The scale (or zero-point) word of lane row g for input k of subtile `sub` of expert e.
-__device__ __forceinline__ uint32_t GroupWord(const uint32_t* words, int e, int groups, int n_sub,
-                                              int sub, int group_size, int k, int g) {
-  const int64_t index =
-      ((static_cast<int64_t>(e) * groups + k / group_size) * n_sub + sub) * 8 + g;
-  return __ldg(words + index);
+// Word g of a subtile's (scale | zero-point) group: words[e][group][sub][g], as offsets from the
+// expert's block (32-bit: the plan's shapes keep a block under 2^31 words).
+struct GroupWords {
+  const uint32_t* base;  // words + e * groups * n_sub * 8
+  int group_stride;      // n_sub * 8
+  __device__ __forceinline__ uint32_t at(int group, int sub, int g) const {
+    return __ldg(base + group * group_stride + sub * 8 + g);
+  }
+  __device__ __forceinline__ const uint32_t* address(int group, int sub, int g) const {
+    return base + group * group_stride + sub * 8 + g;
+  }
+};
+
+__device__ __forceinline__ GroupWords WordsOf(const uint32_t* words, int e, int groups,
+                                              int n_sub) {
+  return GroupWords{words + static_cast<int64_t>(e) * groups * n_sub * 8, n_sub * 8};
+}
+
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // The B operand of one chunk at one token: lanes of row 0 (g == 0) hold the token's 16 inputs
@@ -134,10 +164,33 @@ __device__ __forceinline__ void TokenChunk(const T* base, int g, int t, uint4 (&
   }
 }
 
+// A warp's walk over its GEMM2 items (subtile j2, pair, chunk c), chunk fastest, without
+// divisions in the loop (the kernel is bound by issued instructions as much as by bytes).
+struct Items2Cursor {
+  int j2, pair, c;
+  __device__ __forceinline__ void Start(int item, int c2, int top_k) {
+    const int key = item / c2;
+    c = item - key * c2;
+    j2 = key / top_k;
+    pair = key - j2 * top_k;
+  }
+  __device__ __forceinline__ void Next(int c2, int top_k) {
+    if (++c == c2) {
+      c = 0;
+      if (++pair == top_k) {
+        pair = 0;
+        ++j2;
+      }
+    }
+  }
+};
+
 template <typename T, NibbleCode kCode>
 __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
     DecodeLayerKernel(const DecodeLayerArgs p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int pair_expert[kDecodeMaxTopK];
+  __shared__ float pair_weight[kDecodeMaxTopK];
   const DecodeLayerPlan& plan = p.plan;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -159,6 +212,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   const int cta = blockIdx.x;
   const int u1_begin = cta * plan.units1 / plan.ctas;
   const int n_units1 = (cta + 1) * plan.units1 / plan.ctas - u1_begin;
+  const int pair1_begin = u1_begin / units_per_pair;
+  const int u_begin = u1_begin - pair1_begin * units_per_pair;
   const int k1_begin = warp * c1 / kDecodeWarps;
   const int k1_count = (warp + 1) * c1 / kDecodeWarps - k1_begin;
   const int u2_begin = cta * plan.units2 / plan.ctas;
@@ -173,7 +228,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   for (int i = threadIdx.x; i < plan.max_units1 * 32 + plan.max_units2 * K * 16; i += blockDim.x) {
     red1[i] = 0.0f;  // red2 follows red1 directly (both f32, red1's size a multiple of 16 B)
   }
-  __syncthreads();  // barriers initialized, sums zeroed
 
   // The token, its experts and weights come from earlier kernels (the routing launch, or XLA's).
   WaitForPriorGrids();
@@ -181,65 +235,97 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
     CpAsync16OrZero(xs + 8 * i, static_cast<const T*>(p.x) + 8 * i, true);
   }
   CpAsyncCommit();
+  if (threadIdx.x < K) {
+    const int e = __ldg(p.pair_experts + threadIdx.x);
+    pair_expert[threadIdx.x] = ExpertInRange(e, p.experts) ? e : -1;
+    pair_weight[threadIdx.x] = __ldg(p.topk_weights + threadIdx.x);
+  }
+  __syncthreads();  // barriers initialized, sums zeroed, experts staged
 
   // Every weight byte this warp will use, requested at once (lane 0; each barrier's one arrival
   // announces its bytes, an expert out of range announces none).
   if (lane == 0) {
     const uint32_t slice_bytes = k1_count * kDecodeChunkBytes;
+    int pair = pair1_begin, u = u_begin;
     for (int j = 0; j < plan.max_units1; ++j) {
-      const int unit = u1_begin + j;
-      const int e = j < n_units1 ? __ldg(p.pair_experts + unit / units_per_pair) : -1;
-      const bool load = ExpertInRange(e, p.experts) && slice_bytes > 0;
+      const int e = j < n_units1 ? pair_expert[pair] : -1;
+      const bool load = e >= 0 && slice_bytes > 0;
       MbarrierExpectBytes(bars + j, load ? 2 * slice_bytes : 0);
-      if (!load) continue;
-      const int u = unit % units_per_pair;
-      for (int s = 0; s < 2; ++s) {
-        const int sub = u + s * units_per_pair;
-        const uint4* src = p.w13 + ((static_cast<int64_t>(e) * n13_sub + sub) * c1 + k1_begin) * 32;
-        BulkCopyToShared(slots1 + (j * 2 + s) * plan.slice1 * kDecodeChunkBytes, src,
-                         slice_bytes, bars + j);
+      if (load) {
+        for (int s = 0; s < 2; ++s) {
+          const int sub = u + s * units_per_pair;
+          const uint4* src =
+              p.w13 + ((static_cast<int64_t>(e) * n13_sub + sub) * c1 + k1_begin) * 32;
+          BulkCopyToShared(slots1 + (j * 2 + s) * plan.slice1 * kDecodeChunkBytes, src,
+                           slice_bytes, bars + j);
+        }
+      }
+      if (++u == units_per_pair) {
+        u = 0;
+        ++pair;
       }
     }
     // GEMM2: runs of items of one (subtile, pair) are contiguous chunks of one weight subtile.
     uint32_t bytes2 = 0;
     for (int pass = 0; pass < 2; ++pass) {
       if (pass == 1) MbarrierExpectBytes(bar2, bytes2);
+      Items2Cursor it;
+      if (i2_count > 0) it.Start(i2_begin, c2, K);
       int i = 0;
       while (i < i2_count) {
-        const int item = i2_begin + i;
-        const int key = item / c2, c = item % c2;  // key = subtile j2 * K + pair
-        const int run = min(c2 - c, i2_count - i);
-        const int e = __ldg(p.pair_experts + key % K);
-        if (ExpertInRange(e, p.experts)) {
+        const int run = min(c2 - it.c, i2_count - i);
+        const int e = pair_expert[it.pair];
+        if (e >= 0) {
           const uint32_t bytes = run * kDecodeChunkBytes;
           if (pass == 0) {
             bytes2 += bytes;
           } else {
-            const int sub = u2_begin + key / K;
-            const uint4* src = p.w2 + ((static_cast<int64_t>(e) * n2_sub + sub) * c2 + c) * 32;
+            const int sub = u2_begin + it.j2;
+            const uint4* src = p.w2 + ((static_cast<int64_t>(e) * n2_sub + sub) * c2 + it.c) * 32;
             BulkCopyToShared(slots2 + i * kDecodeChunkBytes, src, bytes, bar2);
           }
         }
         i += run;
+        it.c = c2 - 1;  // the run ends its (subtile, pair): step to the next one's chunk 0
+        it.Next(c2, K);
       }
+    }
+  }
+
+  // GEMM1's scale (and zero-point) words of all this warp's units into L2 now, one lane each,
+  // so that the loads before each unit's math find them there.
+  {
+    const int per_unit = 2 * k1_count * 4;  // (subtile, chunk, t)
+    for (int i = lane; i < n_units1 * per_unit; i += 32) {
+      const int j = i / per_unit, r = i - j * per_unit;
+      const int unit = u1_begin + j, pair = unit / units_per_pair;
+      const int e = pair_expert[pair];
+      if (e < 0) continue;
+      const int s = r / (4 * k1_count), c = (r >> 2) % k1_count, tt = r & 3;
+      const int sub = unit - pair * units_per_pair + s * units_per_pair;
+      const int grp = p.group1_div((k1_begin + c) * 64 + 16 * tt);
+      PrefetchL2(WordsOf(p.s13, e, groups1, n13_sub).address(grp, sub, 0));
+      if (p.z13) PrefetchL2(WordsOf(p.z13, e, groups1, n13_sub).address(grp, sub, 0));
     }
   }
 
   // GEMM2's scales (and zero points) into registers now: they do not depend on GEMM1.
   uint32_t scale2[kDecodeMaxItems2], zero2[kDecodeMaxItems2];
+  {
+    Items2Cursor it;
+    if (i2_count > 0) it.Start(i2_begin, c2, K);
 #pragma unroll
-  for (int i = 0; i < kDecodeMaxItems2; ++i) {
-    scale2[i] = 0;
-    zero2[i] = HalfType<T>::kMagicPlus8;
-    if (i < i2_count) {
-      const int item = i2_begin + i;
-      const int key = item / c2, c = item % c2;
-      const int e = __ldg(p.pair_experts + key % K);
-      if (ExpertInRange(e, p.experts)) {
-        const int sub = u2_begin + key / K;
-        const int k = c * 64 + 16 * t;
-        scale2[i] = GroupWord(p.s2, e, groups2, n2_sub, sub, p.group2, k, g);
-        if (p.z2) zero2[i] = MagicPlusZero<T>(GroupWord(p.z2, e, groups2, n2_sub, sub, p.group2, k, g));
+    for (int i = 0; i < kDecodeMaxItems2; ++i) {
+      scale2[i] = 0;
+      zero2[i] = HalfType<T>::kMagicPlus8;
+      if (i < i2_count) {
+        const int e = pair_expert[it.pair];
+        if (e >= 0) {
+          const int sub = u2_begin + it.j2, grp = p.group2_div(it.c * 64 + 16 * t);
+          scale2[i] = WordsOf(p.s2, e, groups2, n2_sub).at(grp, sub, g);
+          if (p.z2) zero2[i] = MagicPlusZero<T>(WordsOf(p.z2, e, groups2, n2_sub).at(grp, sub, g));
+        }
+        it.Next(c2, K);
       }
     }
   }
@@ -248,47 +334,55 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   __syncthreads();  // the token in shared memory
 
   // GEMM1: this warp's slice of each unit, as its bytes land.
-  for (int j = 0; j < n_units1; ++j) {
-    const int unit = u1_begin + j;
-    const int e = __ldg(p.pair_experts + unit / units_per_pair);
-    if (!ExpertInRange(e, p.experts) || k1_count == 0) continue;
-    const int u = unit % units_per_pair;
-    uint32_t scale[2][kDecodeMaxSlice1], zero[2][kDecodeMaxSlice1];
+  {
+    int pair = pair1_begin, u = u_begin;
+    for (int j = 0; j < n_units1; ++j) {
+      const int e = pair_expert[pair];
+      if (e >= 0 && k1_count > 0) {
+        const GroupWords sw = WordsOf(p.s13, e, groups1, n13_sub);
+        const GroupWords zw = WordsOf(p.z13, e, groups1, n13_sub);
+        uint32_t scale[2][kDecodeMaxSlice1], zero[2][kDecodeMaxSlice1];
 #pragma unroll
-    for (int c = 0; c < kDecodeMaxSlice1; ++c) {
+        for (int c = 0; c < kDecodeMaxSlice1; ++c) {
+          const int grp = p.group1_div((k1_begin + c) * 64 + 16 * t);
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        scale[s][c] = 0;
-        zero[s][c] = HalfType<T>::kMagicPlus8;
-        if (c < k1_count) {
-          const int sub = u + s * units_per_pair, k = (k1_begin + c) * 64 + 16 * t;
-          scale[s][c] = GroupWord(p.s13, e, groups1, n13_sub, sub, p.group1, k, g);
-          if (p.z13) {
-            zero[s][c] = MagicPlusZero<T>(GroupWord(p.z13, e, groups1, n13_sub, sub, p.group1, k, g));
+          for (int s = 0; s < 2; ++s) {
+            scale[s][c] = 0;
+            zero[s][c] = HalfType<T>::kMagicPlus8;
+            if (c < k1_count) {
+              const int sub = u + s * units_per_pair;
+              scale[s][c] = sw.at(grp, sub, g);
+              if (p.z13) zero[s][c] = MagicPlusZero<T>(zw.at(grp, sub, g));
+            }
           }
         }
-      }
-    }
-    MbarrierWait(bars + j, 0);
-    float acc[2][1][4] = {};
-    const uint32_t base = SharedAddress(slots1 + j * 2 * plan.slice1 * kDecodeChunkBytes) + lane * 16;
+        MbarrierWait(bars + j, 0);
+        float acc[2][1][4] = {};
+        const uint32_t base =
+            SharedAddress(slots1 + j * 2 * plan.slice1 * kDecodeChunkBytes) + lane * 16;
 #pragma unroll
-    for (int c = 0; c < kDecodeMaxSlice1; ++c) {
-      if (c < k1_count) {
-        const uint4 w[2] = {LdShared128(base + c * kDecodeChunkBytes),
-                            LdShared128(base + (plan.slice1 + c) * kDecodeChunkBytes)};
-        uint4 xv[1][2];
-        TokenChunk<T>(xs + (k1_begin + c) * 64, g, t, xv);
-        const uint32_t sc[2] = {scale[0][c], scale[1][c]};
-        const uint32_t zm[2] = {zero[0][c], zero[1][c]};
-        MmaChunk<T, kCode, 2, 1>(w, xv, sc, zm, acc);
+        for (int c = 0; c < kDecodeMaxSlice1; ++c) {
+          if (c < k1_count) {
+            const uint4 w[2] = {LdShared128(base + c * kDecodeChunkBytes),
+                                LdShared128(base + (plan.slice1 + c) * kDecodeChunkBytes)};
+            uint4 xv[1][2];
+            TokenChunk<T>(xs + (k1_begin + c) * 64, g, t, xv);
+            const uint32_t sc[2] = {scale[0][c], scale[1][c]};
+            const uint32_t zm[2] = {zero[0][c], zero[1][c]};
+            MmaChunk<T, kCode, 2, 1>(w, xv, sc, zm, acc);
+          }
+        }
+        if (t == 0) {  // token column 0: c[0] row g, c[2] row g + 8
+          atomicAdd(red1 + j * 32 + g, acc[0][0][0]);
+          atomicAdd(red1 + j * 32 + g + 8, acc[0][0][2]);
+          atomicAdd(red1 + j * 32 + 16 + g, acc[1][0][0]);
+          atomicAdd(red1 + j * 32 + 24 + g, acc[1][0][2]);
+        }
       }
-    }
-    if (t == 0) {  // token column 0: c[0] row g, c[2] row g + 8
-      atomicAdd(red1 + j * 32 + g, acc[0][0][0]);
-      atomicAdd(red1 + j * 32 + g + 8, acc[0][0][2]);
-      atomicAdd(red1 + j * 32 + 16 + g, acc[1][0][0]);
-      atomicAdd(red1 + j * 32 + 24 + g, acc[1][0][2]);
+      if (++u == units_per_pair) {
+        u = 0;
+        ++pair;
+      }
     }
   }
   __syncthreads();
@@ -297,9 +391,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   for (int r = threadIdx.x; r < n_units1 * 16; r += blockDim.x) {
     const int j = r >> 4, row = r & 15;
     const int unit = u1_begin + j, pair = unit / units_per_pair;
-    const int e = __ldg(p.pair_experts + pair);
-    if (!ExpertInRange(e, p.experts)) continue;
-    const int n = (unit % units_per_pair) * 16 + row;
+    const int e = pair_expert[pair];
+    if (e < 0) continue;
+    const int n = (unit - pair * units_per_pair) * 16 + row;
     const float2 bias = GateUpBias(p.b13, e, I, n);
     const float a = RoundedActivation<T>(p.activation, red1[j * 32 + row] + bias.x,
                                          red1[j * 32 + 16 + row] + bias.y);
@@ -318,36 +412,40 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
 
   // GEMM2: this warp's items; consecutive items of one (subtile, pair) share an accumulator.
   if (i2_count > 0) MbarrierWait(bar2, 0);
-  float acc[1][1][4] = {};
-  int current = -1;
+  {
+    float acc[1][1][4] = {};
+    Items2Cursor it;
+    if (i2_count > 0) it.Start(i2_begin, c2, K);
+    int current = -1;
 #pragma unroll
-  for (int i = 0; i < kDecodeMaxItems2; ++i) {
-    if (i < i2_count) {
-      const int item = i2_begin + i;
-      const int key = item / c2, c = item % c2;
-      if (key != current) {
-        if (current >= 0 && t == 0) {
-          atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
-          atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
+    for (int i = 0; i < kDecodeMaxItems2; ++i) {
+      if (i < i2_count) {
+        const int key = it.j2 * K + it.pair;
+        if (key != current) {
+          if (current >= 0 && t == 0) {
+            atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
+            atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
+          }
+          current = key;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[0][0][q] = 0.0f;
         }
-        current = key;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[0][0][q] = 0.0f;
-      }
-      const int pair = key % K;
-      if (ExpertInRange(__ldg(p.pair_experts + pair), p.experts)) {
-        const uint4 w[1] = {LdShared128(SharedAddress(slots2 + i * kDecodeChunkBytes) + lane * 16)};
-        uint4 xv[1][2];
-        TokenChunk<T>(acts + static_cast<int64_t>(pair) * I + c * 64, g, t, xv);
-        const uint32_t sc[1] = {scale2[i]};
-        const uint32_t zm[1] = {zero2[i]};
-        MmaChunk<T, kCode, 1, 1>(w, xv, sc, zm, acc);
+        if (pair_expert[it.pair] >= 0) {
+          const uint4 w[1] = {
+              LdShared128(SharedAddress(slots2 + i * kDecodeChunkBytes) + lane * 16)};
+          uint4 xv[1][2];
+          TokenChunk<T>(acts + it.pair * I + it.c * 64, g, t, xv);
+          const uint32_t sc[1] = {scale2[i]};
+          const uint32_t zm[1] = {zero2[i]};
+          MmaChunk<T, kCode, 1, 1>(w, xv, sc, zm, acc);
+        }
+        it.Next(c2, K);
       }
     }
-  }
-  if (current >= 0 && t == 0) {
-    atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
-    atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
+    if (current >= 0 && t == 0) {
+      atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
+      atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
+    }
   }
   __syncthreads();
 
@@ -357,11 +455,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
     const int h = (u2_begin + j2) * 16 + row;
     float sum = 0.0f;
     for (int k = 0; k < K; ++k) {
-      const int e = __ldg(p.pair_experts + k);
-      if (!ExpertInRange(e, p.experts)) continue;
+      const int e = pair_expert[k];
+      if (e < 0) continue;
       float v = red2[(j2 * K + k) * 16 + row];
       if (p.b2) v += __ldg(p.b2 + static_cast<int64_t>(e) * H + h);
-      sum += RoundTo<T>(v * __ldg(p.topk_weights + k));
+      sum += RoundTo<T>(v * pair_weight[k]);
     }
     StoreHalf<T>(p.out, h, sum);
   }

@@ -166,8 +166,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
     a.top_k = static_cast<int>(p.top_k);
     a.hidden = H;
     a.inter = I;
-    a.group1 = kGroupSize;
-    a.group2 = kGroupSize;
+    SetDecodeGroups(a, kGroupSize, kGroupSize);
     a.w13 = static_cast<const uint4*>(p.w13);
     a.s13 = static_cast<const uint32_t*>(p.s13);
     a.w2 = static_cast<const uint4*>(p.w2);

@@ -90,8 +90,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     a.top_k = static_cast<int>(p.top_k);
     a.hidden = H;
     a.inter = I;
-    a.group1 = static_cast<int>(H / p.groups13);
-    a.group2 = static_cast<int>(I / p.groups2);
+    SetDecodeGroups(a, static_cast<int>(H / p.groups13), static_cast<int>(I / p.groups2));
     a.w13 = static_cast<const uint4*>(p.w13);
     a.s13 = static_cast<const uint32_t*>(p.s13);
     a.z13 = p.has_zeros ? static_cast<const uint32_t*>(p.z13) : nullptr;

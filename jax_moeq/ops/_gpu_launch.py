@@ -188,6 +188,7 @@ DECODE_WARPS = 16            # kDecodeWarps
 DECODE_MAX_SLICE1 = 4        # kDecodeMaxSlice1: GEMM1 chunks per warp and unit
 DECODE_MAX_ITEMS2 = 16       # kDecodeMaxItems2: GEMM2 chunks per warp
 MAX_SHARED_BYTES_PER_CTA = 232448  # opt-in shared memory per block, H100 / H200 (227 KB)
+DECODE_STATIC_SHARED_BYTES = 1024  # kDecodeStaticSmemBytes: the kernel's static shared memory
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -208,13 +209,16 @@ def fused_decode_error(top_k: int, hidden: int, intermediate: int,
   max_units2 = _ceil_div(hidden // 16, ctas)
   slice1 = _ceil_div(hidden // 64, DECODE_WARPS)
   items2 = _ceil_div(max_units2 * top_k * (intermediate // 64), DECODE_WARPS)
+  if top_k > 32:
+    return "fused decode needs top_k <= 32"
   if slice1 > DECODE_MAX_SLICE1:
     return "fused decode needs hidden <= 4096"
   if items2 > DECODE_MAX_ITEMS2:
     return f"fused decode: GEMM2 has more than {DECODE_MAX_ITEMS2} chunks per warp"
   smem = (DECODE_WARPS * (2 * max_units1 * slice1 + items2) * 512 + _align16(hidden * 2)
           + _align16(top_k * intermediate * 2) + max_units1 * 32 * 4
-          + _align16(max_units2 * top_k * 16 * 4) + DECODE_WARPS * (max_units1 + 1) * 8)
+          + _align16(max_units2 * top_k * 16 * 4) + DECODE_WARPS * (max_units1 + 1) * 8
+          + DECODE_STATIC_SHARED_BYTES)
   if smem > MAX_SHARED_BYTES_PER_CTA:
     return (f"fused decode needs {smem} bytes of shared memory per CTA, the device has "
             f"{MAX_SHARED_BYTES_PER_CTA}")
