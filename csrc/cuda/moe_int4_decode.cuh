@@ -24,6 +24,7 @@
 #include <cooperative_groups.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/moe_int4_gemm.cuh"
@@ -115,7 +116,21 @@ struct DecodeLayerArgs {
   void* act = nullptr;                   // [K][I] T scratch
   void* out = nullptr;                   // [H] T
   DecodeLayerPlan plan;
+  // Profiling only (JAX_MOEQ_DECODE_STOP_AFTER, DecodeStopAfter): end the kernel after phase
+  // 1 (every weight byte landed), 2 (GEMM1) or 3 (the grid barrier), leaving the output unwritten;
+  // 0 runs it all.
+  int stop_after = 0;
 };
+
+// JAX_MOEQ_DECODE_STOP_AFTER=N (profiling: time the kernel's phases under ncu; results are then
+// garbage); read once per process.
+inline int DecodeStopAfter() {
+  static const int stop = [] {
+    const char* v = std::getenv("JAX_MOEQ_DECODE_STOP_AFTER");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return stop;
+}
 
 inline void SetDecodeGroups(DecodeLayerArgs& a, int group1, int group2) {
   a.group1 = group1;
@@ -332,6 +347,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
 
   CpAsyncWait<0>();
   __syncthreads();  // the token in shared memory
+  if (p.stop_after == 1) {
+    for (int j = 0; j <= plan.max_units1; ++j) MbarrierWait(bars + j, 0);
+    if (scale2[0] == 0x7fffffffu) StoreHalf<T>(p.out, 0, 0.0f);  // keeps the loads
+    return;
+  }
 
   // GEMM1: this warp's slice of each unit, as its bytes land.
   {
@@ -386,6 +406,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
     }
   }
   __syncthreads();
+  if (p.stop_after == 2) return;
 
   // Activation of the CTA's units -> act (global: other CTAs' GEMM2 reads it).
   for (int r = threadIdx.x; r < n_units1 * 16; r += blockDim.x) {
@@ -401,6 +422,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   }
 
   cooperative_groups::this_grid().sync();  // every pair's activation is in act
+  if (p.stop_after == 3) return;
 
   // act -> shared (from L2: written by other SMs in this kernel, never cached in this L1).
   for (int i = threadIdx.x; i < K * I / 8; i += blockDim.x) {
@@ -511,6 +533,8 @@ template <typename T, NibbleCode kCode>
 std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) {
   const auto kernel = DecodeLayerKernel<T, kCode>;
   const int smem = args.plan.smem_bytes;
+  DecodeLayerArgs launch_args = args;
+  launch_args.stop_after = DecodeStopAfter();
   // The shared-memory opt-in, raised per device as plans need more (once per shape in practice).
   static std::atomic<int> opted_in[kDecodeMaxDevices];
   int device = 0;
@@ -538,7 +562,7 @@ std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) 
   attributes[1].val.programmaticStreamSerializationAllowed = DependentLaunchEnabled() ? 1 : 0;
   config.attrs = attributes;
   config.numAttrs = 2;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, launch_args);
   if (err != cudaSuccess) {
     cudaGetLastError();
     return std::string("fused decode kernel: ") + cudaGetErrorString(err);
