@@ -296,15 +296,14 @@ def test_vmap_of_the_batched_format_runs_in_sequence():
 
 
 # The fused decode kernel's shared-memory plan (csrc/cuda/moe_int4_decode.cuh), on an H100's 132
-# SMs. Hand-computed bytes for Qwen3-30B-A3B (K 8, H 2048, I 768): GEMM1 384 units -> 3 per CTA,
-# 2 chunks per warp each; GEMM2 128 subtiles -> 1 per CTA, 8 x 12 chunks over 16 warps -> 6.
+# SMs. Hand-computed bytes for Qwen3-30B-A3B (K 8, H 2048, I 768): GEMM1 384 units -> at most 3
+# per CTA (two 16 KB subtiles each); GEMM2 128 subtiles -> 1 per CTA, 8 pairs x 12 chunks.
 def test_fused_decode_plan_of_the_small_expert_models():
-  warps = launch.DECODE_WARPS
-  qwen3 = (warps * (2 * 3 * 2 + 6) * 512 + 2048 * 2 + 8 * 768 * 2 + 3 * 32 * 4 + 8 * 16 * 4
-           + warps * 4 * 8 + launch.DECODE_STATIC_SHARED_BYTES)
-  assert qwen3 == 166_272 <= launch.MAX_SHARED_BYTES_PER_CTA
+  qwen3 = (3 * 2 * 32 * 512 + 8 * 12 * 512 + 2048 * 2 + 8 * 768 * 2 + 3 * 32 * 4 + 8 * 16 * 4
+           + 4 * 8 + launch.DECODE_STATIC_SHARED_BYTES)
+  assert qwen3 == 165_792 <= launch.MAX_SHARED_BYTES_PER_CTA
   assert launch.fused_decode_error(8, 2048, 768, ctas=132) == ""
-  # DeepSeek-V2-Lite (K 6, H 2048, I 1408): 4 units per CTA, 9 GEMM2 chunks per warp; 227 KB.
+  # DeepSeek-V2-Lite (K 6, H 2048, I 1408): 4 units per CTA (128 KB), GEMM2 66 KB; 219 KB.
   assert launch.fused_decode_error(6, 2048, 1408, ctas=132) == ""
 
 

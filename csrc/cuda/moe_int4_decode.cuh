@@ -9,6 +9,10 @@
 // the layer's weights stream as one burst while GEMM1 computes behind the arrivals, and GEMM2
 // finds its weights in shared memory when the barrier releases it.
 //
+// The copies are whole subtiles (16 KB at H = 2048) and whole (subtile, pair) runs: a first form
+// with one 1 KB copy per warp and unit streamed at ~1 TB/s (H100, Qwen3 T=1), the SM's copy
+// engine keeping few copies in flight, so bytes in flight grow with the size of each copy.
+//
 // Work split (the plan, PlanDecodeLayer; jax_moeq/ops/_gpu_launch.py repeats its arithmetic):
 //  GEMM1 unit  = (pair p, 16 activation columns u): gate subtile u and up subtile I/16 + u of
 //                pair p's expert over all of K = H. CTA c takes units [c U1 / G, (c+1) U1 / G);
@@ -47,8 +51,10 @@ struct DecodeLayerPlan {
   int max_units1 = 0, max_units2 = 0;  // most of either a CTA takes
   int slice1 = 0;                      // most GEMM1 chunks a warp takes per unit
   int items2 = 0;                      // most GEMM2 chunks a warp takes
-  int warp_bytes = 0;                  // each warp's weight slots: GEMM1's, then GEMM2's
-  int x_offset = 0, act_offset = 0, red1_offset = 0, red2_offset = 0, bar_offset = 0;
+  // Shared memory: GEMM1's weights [unit][2 subtiles][H/64 chunks][512 B], GEMM2's
+  // [subtile][pair][I/64 chunks][512 B], the token, the activations, the f32 sums, the barriers.
+  int w2_offset = 0, x_offset = 0, act_offset = 0, red1_offset = 0, red2_offset = 0;
+  int bar_offset = 0;
   int smem_bytes = 0;
 };
 
@@ -65,8 +71,9 @@ inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inte
   p.max_units2 = CeilDiv(p.units2, ctas);
   p.slice1 = CeilDiv(hidden / 64, kDecodeWarps);
   p.items2 = CeilDiv(p.max_units2 * top_k * (inter / 64), kDecodeWarps);
-  p.warp_bytes = (2 * p.max_units1 * p.slice1 + p.items2) * kDecodeChunkBytes;
-  int offset = kDecodeWarps * p.warp_bytes;
+  int offset = p.max_units1 * 2 * (hidden / 64) * kDecodeChunkBytes;
+  p.w2_offset = offset;
+  offset += p.max_units2 * top_k * (inter / 64) * kDecodeChunkBytes;
   p.x_offset = offset;
   offset += Align16(hidden * 2);
   p.act_offset = offset;
@@ -76,7 +83,7 @@ inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inte
   p.red2_offset = offset;
   offset += Align16(p.max_units2 * top_k * 16 * 4);
   p.bar_offset = offset;
-  offset += kDecodeWarps * (p.max_units1 + 1) * 8;
+  offset += (p.max_units1 + 1) * 8;
   p.smem_bytes = offset;
   return p;
 }
@@ -215,14 +222,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   const int n13_sub = 2 * I / 16, n2_sub = H / 16;
   const int groups1 = H / p.group1, groups2 = I / p.group2;
 
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bar_offset) + warp * (plan.max_units1 + 1);
-  uint64_t* bar2 = bars + plan.max_units1;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bar_offset);  // GEMM1's units
+  uint64_t* bar2 = bars + plan.max_units1;                                 // GEMM2's weights
   float* red1 = reinterpret_cast<float*>(smem + plan.red1_offset);  // [unit][gate 16, up 16]
   float* red2 = reinterpret_cast<float*>(smem + plan.red2_offset);  // [subtile][pair][16]
   T* xs = reinterpret_cast<T*>(smem + plan.x_offset);
   T* acts = reinterpret_cast<T*>(smem + plan.act_offset);
-  unsigned char* slots1 = smem + warp * plan.warp_bytes;  // [unit][2][slice1][512]
-  unsigned char* slots2 = slots1 + 2 * plan.max_units1 * plan.slice1 * kDecodeChunkBytes;
+  unsigned char* slots1 = smem;                   // [unit][2][c1][512]
+  unsigned char* slots2 = smem + plan.w2_offset;  // [subtile][pair][c2][512]
 
   const int cta = blockIdx.x;
   const int u1_begin = cta * plan.units1 / plan.ctas;
@@ -237,7 +244,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   const int i2_begin = warp * cta_items2 / kDecodeWarps;
   const int i2_count = (warp + 1) * cta_items2 / kDecodeWarps - i2_begin;
 
-  if (lane == 0) {
+  if (threadIdx.x == 0) {
     for (int j = 0; j <= plan.max_units1; ++j) MbarrierInit(bars + j);
   }
   for (int i = threadIdx.x; i < plan.max_units1 * 32 + plan.max_units2 * K * 16; i += blockDim.x) {
@@ -257,52 +264,38 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   }
   __syncthreads();  // barriers initialized, sums zeroed, experts staged
 
-  // Every weight byte this warp will use, requested at once (lane 0; each barrier's one arrival
-  // announces its bytes, an expert out of range announces none).
+  // Every weight byte of the CTA requested at once: unit j's two subtiles by lane 0 of warp
+  // j % 16, GEMM2's runs by lane 0 of the last warp (each barrier's one arrival announces its
+  // bytes; an expert out of range announces none).
   if (lane == 0) {
-    const uint32_t slice_bytes = k1_count * kDecodeChunkBytes;
-    int pair = pair1_begin, u = u_begin;
-    for (int j = 0; j < plan.max_units1; ++j) {
+    const uint32_t subtile_bytes = c1 * kDecodeChunkBytes;
+    for (int j = warp; j < plan.max_units1; j += kDecodeWarps) {
+      const int unit = u1_begin + j, pair = unit / units_per_pair;
       const int e = j < n_units1 ? pair_expert[pair] : -1;
-      const bool load = e >= 0 && slice_bytes > 0;
-      MbarrierExpectBytes(bars + j, load ? 2 * slice_bytes : 0);
-      if (load) {
-        for (int s = 0; s < 2; ++s) {
-          const int sub = u + s * units_per_pair;
-          const uint4* src =
-              p.w13 + ((static_cast<int64_t>(e) * n13_sub + sub) * c1 + k1_begin) * 32;
-          BulkCopyToShared(slots1 + (j * 2 + s) * plan.slice1 * kDecodeChunkBytes, src,
-                           slice_bytes, bars + j);
-        }
-      }
-      if (++u == units_per_pair) {
-        u = 0;
-        ++pair;
+      MbarrierExpectBytes(bars + j, e >= 0 ? 2 * subtile_bytes : 0);
+      if (e < 0) continue;
+      const int u = unit - pair * units_per_pair;
+      for (int s = 0; s < 2; ++s) {
+        const int sub = u + s * units_per_pair;
+        BulkCopyToShared(slots1 + (j * 2 + s) * subtile_bytes,
+                         p.w13 + (static_cast<int64_t>(e) * n13_sub + sub) * c1 * 32,
+                         subtile_bytes, bars + j);
       }
     }
-    // GEMM2: runs of items of one (subtile, pair) are contiguous chunks of one weight subtile.
-    uint32_t bytes2 = 0;
-    for (int pass = 0; pass < 2; ++pass) {
-      if (pass == 1) MbarrierExpectBytes(bar2, bytes2);
-      Items2Cursor it;
-      if (i2_count > 0) it.Start(i2_begin, c2, K);
-      int i = 0;
-      while (i < i2_count) {
-        const int run = min(c2 - it.c, i2_count - i);
-        const int e = pair_expert[it.pair];
-        if (e >= 0) {
-          const uint32_t bytes = run * kDecodeChunkBytes;
-          if (pass == 0) {
-            bytes2 += bytes;
-          } else {
-            const int sub = u2_begin + it.j2;
-            const uint4* src = p.w2 + ((static_cast<int64_t>(e) * n2_sub + sub) * c2 + it.c) * 32;
-            BulkCopyToShared(slots2 + i * kDecodeChunkBytes, src, bytes, bar2);
-          }
+    if (warp == kDecodeWarps - 1) {
+      const uint32_t run_bytes = c2 * kDecodeChunkBytes;
+      uint32_t bytes2 = 0;
+      for (int k = 0; k < K; ++k) bytes2 += pair_expert[k] >= 0 ? run_bytes : 0;
+      MbarrierExpectBytes(bar2, bytes2 * n_units2);
+      for (int j2 = 0; j2 < n_units2; ++j2) {
+        for (int k = 0; k < K; ++k) {
+          const int e = pair_expert[k];
+          if (e < 0) continue;
+          const int sub = u2_begin + j2;
+          BulkCopyToShared(slots2 + (j2 * K + k) * run_bytes,
+                           p.w2 + (static_cast<int64_t>(e) * n2_sub + sub) * c2 * 32, run_bytes,
+                           bar2);
         }
-        i += run;
-        it.c = c2 - 1;  // the run ends its (subtile, pair): step to the next one's chunk 0
-        it.Next(c2, K);
       }
     }
   }
@@ -348,7 +341,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   CpAsyncWait<0>();
   __syncthreads();  // the token in shared memory
   if (p.stop_after == 1) {
-    for (int j = 0; j <= plan.max_units1; ++j) MbarrierWait(bars + j, 0);
+    for (int j = 0; j <= plan.max_units1; ++j) MbarrierWait(bars + j, 0);  // (all arrive)
     if (scale2[0] == 0x7fffffffu) StoreHalf<T>(p.out, 0, 0.0f);  // keeps the loads
     return;
   }
@@ -379,12 +372,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
         MbarrierWait(bars + j, 0);
         float acc[2][1][4] = {};
         const uint32_t base =
-            SharedAddress(slots1 + j * 2 * plan.slice1 * kDecodeChunkBytes) + lane * 16;
+            SharedAddress(slots1 + (j * 2 * c1 + k1_begin) * kDecodeChunkBytes) + lane * 16;
 #pragma unroll
         for (int c = 0; c < kDecodeMaxSlice1; ++c) {
           if (c < k1_count) {
             const uint4 w[2] = {LdShared128(base + c * kDecodeChunkBytes),
-                                LdShared128(base + (plan.slice1 + c) * kDecodeChunkBytes)};
+                                LdShared128(base + (c1 + c) * kDecodeChunkBytes)};
             uint4 xv[1][2];
             TokenChunk<T>(xs + (k1_begin + c) * 64, g, t, xv);
             const uint32_t sc[2] = {scale[0][c], scale[1][c]};
@@ -454,7 +447,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
         }
         if (pair_expert[it.pair] >= 0) {
           const uint4 w[1] = {
-              LdShared128(SharedAddress(slots2 + i * kDecodeChunkBytes) + lane * 16)};
+              LdShared128(SharedAddress(slots2 + (i2_begin + i) * kDecodeChunkBytes) + lane * 16)};
           uint4 xv[1][2];
           TokenChunk<T>(acts + it.pair * I + it.c * 64, g, t, xv);
           const uint32_t sc[1] = {scale2[i]};

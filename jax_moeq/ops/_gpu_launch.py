@@ -215,9 +215,9 @@ def fused_decode_error(top_k: int, hidden: int, intermediate: int,
     return "fused decode needs hidden <= 4096"
   if items2 > DECODE_MAX_ITEMS2:
     return f"fused decode: GEMM2 has more than {DECODE_MAX_ITEMS2} chunks per warp"
-  smem = (DECODE_WARPS * (2 * max_units1 * slice1 + items2) * 512 + _align16(hidden * 2)
-          + _align16(top_k * intermediate * 2) + max_units1 * 32 * 4
-          + _align16(max_units2 * top_k * 16 * 4) + DECODE_WARPS * (max_units1 + 1) * 8
+  smem = ((max_units1 * 2 * (hidden // 64) + max_units2 * top_k * (intermediate // 64)) * 512
+          + _align16(hidden * 2) + _align16(top_k * intermediate * 2) + max_units1 * 32 * 4
+          + _align16(max_units2 * top_k * 16 * 4) + (max_units1 + 1) * 8
           + DECODE_STATIC_SHARED_BYTES)
   if smem > MAX_SHARED_BYTES_PER_CTA:
     return (f"fused decode needs {smem} bytes of shared memory per CTA, the device has "
