@@ -9,9 +9,10 @@
 // the layer's weights stream as one burst while GEMM1 computes behind the arrivals, and GEMM2
 // finds its weights in shared memory when the barrier releases it.
 //
-// The copies are whole subtiles (16 KB at H = 2048) and whole (subtile, pair) runs: a first form
-// with one 1 KB copy per warp and unit streamed at ~1 TB/s (H100, Qwen3 T=1), the SM's copy
-// engine keeping few copies in flight, so bytes in flight grow with the size of each copy.
+// The weights move by 16-byte cp.async from every thread (18 per thread at Qwen3), tracked by
+// mbarriers. Bulk copies (the copy engine) streamed at ~1 TB/s here, whether as 1 KB copies per
+// warp or whole 16 KB subtiles (H100, Qwen3 T=1, ncu): the SM's copy engine keeps too few bytes
+// in flight for a whole layer's share.
 //
 // Work split (the plan, PlanDecodeLayer; jax_moeq/ops/_gpu_launch.py repeats its arithmetic):
 //  GEMM1 unit  = (pair p, 16 activation columns u): gate subtile u and up subtile I/16 + u of
@@ -168,6 +169,27 @@ __device__ __forceinline__ GroupWords WordsOf(const uint32_t* words, int e, int 
   return GroupWords{words + static_cast<int64_t>(e) * groups * n_sub * 8, n_sub * 8};
 }
 
+__device__ __forceinline__ void MbarrierInitCount(uint64_t* bar, uint32_t count) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(count)
+               : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// An arrival on `bar` once all of this thread's earlier cp.async copies have landed (counted
+// against the barrier's expected arrivals).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar))
+               : "memory");
+#endif
+}
+
 __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
@@ -244,8 +266,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   const int i2_begin = warp * cta_items2 / kDecodeWarps;
   const int i2_count = (warp + 1) * cta_items2 / kDecodeWarps - i2_begin;
 
-  if (threadIdx.x == 0) {
-    for (int j = 0; j <= plan.max_units1; ++j) MbarrierInit(bars + j);
+  if (threadIdx.x == 0) {  // one arrival per thread (CpAsyncArriveNoinc)
+    for (int j = 0; j <= plan.max_units1; ++j) MbarrierInitCount(bars + j, blockDim.x);
   }
   for (int i = threadIdx.x; i < plan.max_units1 * 32 + plan.max_units2 * K * 16; i += blockDim.x) {
     red1[i] = 0.0f;  // red2 follows red1 directly (both f32, red1's size a multiple of 16 B)
@@ -253,10 +275,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
 
   // The token, its experts and weights come from earlier kernels (the routing launch, or XLA's).
   WaitForPriorGrids();
-  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
-    CpAsync16OrZero(xs + 8 * i, static_cast<const T*>(p.x) + 8 * i, true);
-  }
-  CpAsyncCommit();
   if (threadIdx.x < K) {
     const int e = __ldg(p.pair_experts + threadIdx.x);
     pair_expert[threadIdx.x] = ExpertInRange(e, p.experts) ? e : -1;
@@ -264,40 +282,46 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   }
   __syncthreads();  // barriers initialized, sums zeroed, experts staged
 
-  // Every weight byte of the CTA requested at once: unit j's two subtiles by lane 0 of warp
-  // j % 16, GEMM2's runs by lane 0 of the last warp (each barrier's one arrival announces its
-  // bytes; an expert out of range announces none).
-  if (lane == 0) {
-    const uint32_t subtile_bytes = c1 * kDecodeChunkBytes;
-    for (int j = warp; j < plan.max_units1; j += kDecodeWarps) {
-      const int unit = u1_begin + j, pair = unit / units_per_pair;
+  // Every weight byte of the CTA requested at once, 16 bytes per cp.async spread over all
+  // threads; unit j's barrier (and GEMM2's) completes when every thread's copies up to it have
+  // landed (cp.async.mbarrier.arrive.noinc, one per thread and barrier, also where a unit has
+  // nothing to load).
+  {
+    const int subtile_pieces = c1 * 32;  // 16-byte pieces
+    int pair = pair1_begin, u = u_begin;
+    for (int j = 0; j < plan.max_units1; ++j) {
       const int e = j < n_units1 ? pair_expert[pair] : -1;
-      MbarrierExpectBytes(bars + j, e >= 0 ? 2 * subtile_bytes : 0);
-      if (e < 0) continue;
-      const int u = unit - pair * units_per_pair;
-      for (int s = 0; s < 2; ++s) {
-        const int sub = u + s * units_per_pair;
-        BulkCopyToShared(slots1 + (j * 2 + s) * subtile_bytes,
-                         p.w13 + (static_cast<int64_t>(e) * n13_sub + sub) * c1 * 32,
-                         subtile_bytes, bars + j);
-      }
-    }
-    if (warp == kDecodeWarps - 1) {
-      const uint32_t run_bytes = c2 * kDecodeChunkBytes;
-      uint32_t bytes2 = 0;
-      for (int k = 0; k < K; ++k) bytes2 += pair_expert[k] >= 0 ? run_bytes : 0;
-      MbarrierExpectBytes(bar2, bytes2 * n_units2);
-      for (int j2 = 0; j2 < n_units2; ++j2) {
-        for (int k = 0; k < K; ++k) {
-          const int e = pair_expert[k];
-          if (e < 0) continue;
-          const int sub = u2_begin + j2;
-          BulkCopyToShared(slots2 + (j2 * K + k) * run_bytes,
-                           p.w2 + (static_cast<int64_t>(e) * n2_sub + sub) * c2 * 32, run_bytes,
-                           bar2);
+      if (e >= 0) {
+        const uint4* gate = p.w13 + (static_cast<int64_t>(e) * n13_sub + u) * subtile_pieces;
+        const uint4* up = gate + static_cast<int64_t>(units_per_pair) * subtile_pieces;
+        uint4* dst = reinterpret_cast<uint4*>(slots1) + j * 2 * subtile_pieces;
+        for (int q = threadIdx.x; q < 2 * subtile_pieces; q += blockDim.x) {
+          CpAsyncStream16(dst + q, q < subtile_pieces ? gate + q : up + (q - subtile_pieces));
         }
       }
+      CpAsyncArriveNoinc(bars + j);
+      if (++u == units_per_pair) {
+        u = 0;
+        ++pair;
+      }
     }
+    const int run_pieces = c2 * 32;
+    for (int j2 = 0; j2 < n_units2; ++j2) {
+      for (int k = 0; k < K; ++k) {
+        const int e = pair_expert[k];
+        if (e < 0) continue;
+        const uint4* src = p.w2 + (static_cast<int64_t>(e) * n2_sub + u2_begin + j2) * run_pieces;
+        uint4* dst = reinterpret_cast<uint4*>(slots2) + (j2 * K + k) * run_pieces;
+        for (int q = threadIdx.x; q < run_pieces; q += blockDim.x) CpAsyncStream16(dst + q, src + q);
+      }
+    }
+    CpAsyncArriveNoinc(bar2);
+    CpAsyncCommit();
+  }
+
+  // The token into shared memory (plain loads, after the weights' requests).
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
+    reinterpret_cast<uint4*>(xs)[i] = __ldg(reinterpret_cast<const uint4*>(p.x) + i);
   }
 
   // GEMM1's scale (and zero-point) words of all this warp's units into L2 now, one lane each,
@@ -338,7 +362,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
     }
   }
 
-  CpAsyncWait<0>();
   __syncthreads();  // the token in shared memory
   if (p.stop_after == 1) {
     for (int j = 0; j <= plan.max_units1; ++j) MbarrierWait(bars + j, 0);  // (all arrive)
