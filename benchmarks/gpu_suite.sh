@@ -85,6 +85,11 @@ xs = jax.random.normal(kq[4], (1, hs)).astype(jnp.bfloat16)
 for ids in ([[1, 6]], [[3, 99]]):
   y = wna16_gpu.fused_marlin_moe(xs, ws, jnp.full((1, k), 0.5), jnp.array(ids, jnp.int32))
   print("case one token, GEMM1 split", ids, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+# The fused decode kernel (fused_decode=True), with a foreign expert id too.
+for ids in ([[1, 6]], [[3, 99]]):
+  y = wna16_gpu.fused_marlin_moe(xs, ws, jnp.full((1, k), 0.5), jnp.array(ids, jnp.int32),
+                                 fused_decode=True)
+  print("case fused decode", ids, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 PYEOF
   # Platform allocator: each buffer its own cudaMalloc, so overruns are visible.
   XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -227,19 +227,20 @@ def fused_decode_error(top_k: int, hidden: int, intermediate: int,
 
 def choose_fused_decode(requested: bool | None, *, one_token: bool, top_k: int, hidden: int,
                         intermediate: int) -> bool:
-  """Whether a call runs as the one fused decode kernel: None (automatic) takes it wherever it
-  fits (measured faster there, docs/performance.md); True requires it (ValueError naming why it
-  cannot); False keeps the multi-kernel one-token path."""
-  if requested is False:
+  """Whether a call runs as the one fused decode kernel: True requires it (ValueError naming why
+  it cannot); None (automatic) and False keep the multi-kernel one-token path.
+
+  Automatic never takes it yet: on an H100 (2026-11-24, Qwen3-30B-A3B T=1, in-graph, one
+  process) it measured 27.2 us against the kernels' 23.1 us for WNA16 and 29.1 against 26.5 us
+  for MxInt4 (docs/performance.md): its weights land in ~11 us (1.7 TB/s) and GEMM1's math trails
+  them by another ~6 us. It stays available, tested, for the work that could make it win
+  (docs/gpu_notes.md, stop 16)."""
+  if not requested:
     return False
   if not one_token:
-    if requested:
-      raise ValueError("fused_decode=True needs the one-token path: one token, the standard "
-                       "format, no act-order and block_m 8")
-    return False
+    raise ValueError("fused_decode=True needs the one-token path: one token, the standard "
+                     "format, no act-order and block_m 8")
   error = fused_decode_error(top_k, hidden, intermediate)
   if error:
-    if requested:
-      raise ValueError(f"fused_decode=True: {error}")
-    return False
+    raise ValueError(f"fused_decode=True: {error}")
   return True

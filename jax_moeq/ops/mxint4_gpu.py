@@ -426,9 +426,10 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
     mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS); None picks the measured-fastest for
       the block_m ("async_ring" up to block_m 16, else "registers").
-    fused_decode: at one token, routing then the rest of the layer as one kernel (None: wherever
-      its weights fit shared memory, `_gpu_launch.choose_fused_decode`; True: required; False:
-      never).
+    fused_decode: True runs a one-token call as routing then the single fused decode kernel
+      (its pairs' weights must fit the SMs' shared memory, else ValueError); None / False: the
+      one-token path's separate kernels (measured faster so far,
+      `_gpu_launch.choose_fused_decode`).
 
   Returns:
     [T, H] bfloat16.

@@ -424,8 +424,9 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     out_init: optional buffer aliased to the output (tests poison it with NaN).
     mainloop: GEMM main loop, "registers" (default), "async_ring" or "bulk_copy" (see
       `_gpu_launch.MAINLOOPS`).
-    fused_decode: at one token, the whole layer as one kernel (None: wherever its weights fit
-      shared memory, `_gpu_launch.choose_fused_decode`; True: required; False: never).
+    fused_decode: True runs a one-token call as the single fused decode kernel (its pairs'
+      weights must fit the SMs' shared memory, else ValueError); None / False: the one-token
+      path's separate kernels (measured faster so far, `_gpu_launch.choose_fused_decode`).
   Returns:
     [T, H] in x's dtype. Under vmap, token sets sharing the weights are one call on their
     concatenated tokens (launch choices follow the folded T); per-batch weights run in sequence.
