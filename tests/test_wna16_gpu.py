@@ -488,23 +488,21 @@ def test_bad_input_raises_python_errors():
              jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(rows, h),), jnp.float32)]
   call = jax.ffi.ffi_call(wna16_gpu.FFI_TARGET, results)
   w = weights
-  with pytest.raises(Exception, match="w13 has shape"):
-    jax.block_until_ready(call(
-        x, topk_ids, topk_w, w.w2, w.w13_scales, w.w13_zeros, w.w13_bias, w.w2, w.w2_scales,
+
+  def handler(w13, fused_decode):
+    return jax.block_until_ready(call(
+        x, topk_ids, topk_w, w13, w.w13_scales, w.w13_zeros, w.w13_bias, w.w2, w.w2_scales,
         w.w2_zeros, w.w2_bias, w.w13_perm, w.w2_inv_perm, batched=False,
         hidden_size=np.int64(h), intermediate_size=np.int64(i), groups13=np.int64(h // 64),
         groups2=np.int64(i // 64), block_m=np.int64(8), split13=np.int64(1),
         split2=np.int64(1), activation_kind=np.int64(0), has_zeros=False, has_bias=False,
-        act_order=False, mainloop=np.int64(0), one_token=False, fused_decode=False))
+        act_order=False, mainloop=np.int64(0), one_token=False, fused_decode=fused_decode))
+
+  with pytest.raises(Exception, match="w13 has shape"):
+    handler(w.w2, False)
   # fused_decode without the one-token path (a call bypassing Python's choice): refused.
   with pytest.raises(Exception, match="fused_decode needs the one_token path"):
-    jax.block_until_ready(call(
-        x, topk_ids, topk_w, w.w13, w.w13_scales, w.w13_zeros, w.w13_bias, w.w2, w.w2_scales,
-        w.w2_zeros, w.w2_bias, w.w13_perm, w.w2_inv_perm, batched=False,
-        hidden_size=np.int64(h), intermediate_size=np.int64(i), groups13=np.int64(h // 64),
-        groups2=np.int64(i // 64), block_m=np.int64(8), split13=np.int64(1),
-        split2=np.int64(1), activation_kind=np.int64(0), has_zeros=False, has_bias=False,
-        act_order=False, mainloop=np.int64(0), one_token=False, fused_decode=True))
+    handler(w.w13, True)
 
 
 def test_jit_matches_eager():
