@@ -186,39 +186,37 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) MxInt4RoutingKernel(Routing
   }
   __syncwarp();
 
-  // 4. Weights, by lane 0 (k is small).
-  if (lane != 0) return;
+  // 4. Weights: lane k < K takes pair k (K <= 32); the normalizer is a warp sum. (Lane 0 alone,
+  // one pair after another, made this tail a chain of ~K x 40 dependent instructions.)
   const int K = a.top_k;
+  const bool active = lane < K;
+  const int id = active ? chosen[lane] : 0;
+  const float s = score[id];
   float norm = 1.0f, top = 0.0f;
   if (method == MxInt4Routing::kRenormalize) {
     top = score[chosen[0]];  // the largest chosen logit
-    norm = 0.0f;
-    for (int k = 0; k < K; ++k) norm += expf(score[chosen[k]] - top);
+    norm = WarpSum(active ? expf(s - top) : 0.0f);
   } else if (method == MxInt4Routing::kDeepSeekV3 || method == MxInt4Routing::kRenormalizeNaive ||
              method == MxInt4Routing::kSigmoidRenorm || method == MxInt4Routing::kMiniMax2) {
-    norm = 0.0f;
-    for (int k = 0; k < K; ++k) norm += score[chosen[k]];
+    norm = WarpSum(active ? s : 0.0f);
     if (method == MxInt4Routing::kMiniMax2) norm += 1e-20f;
   }
-  for (int k = 0; k < K; ++k) {
-    const int id = chosen[k];
-    const float s = score[id];
-    float w;
-    switch (method) {
-      case MxInt4Routing::kRenormalize: w = expf(s - top) / norm; break;
-      case MxInt4Routing::kDeepSeekV3:
-      case MxInt4Routing::kMiniMax2: w = s / norm * a.scale; break;
-      case MxInt4Routing::kLlama4: w = Sigmoid(s); break;
-      case MxInt4Routing::kRenormalizeNaive:
-      case MxInt4Routing::kSigmoidRenorm: w = s / norm; break;
-      default: w = s; break;  // Default (softmax prob.), TopK (logit), Sigmoid
-    }
-    const int64_t at = static_cast<int64_t>(t) * K + k;
-    a.topk_ids[at] = id;
-    a.topk_weights[at] = w;
-    const int local = id - a.local_offset;
-    a.local_ids[at] = (local >= 0 && local < a.local_experts) ? local : -1;
+  if (!active) return;
+  float w;
+  switch (method) {
+    case MxInt4Routing::kRenormalize: w = expf(s - top) / norm; break;
+    case MxInt4Routing::kDeepSeekV3:
+    case MxInt4Routing::kMiniMax2: w = s / norm * a.scale; break;
+    case MxInt4Routing::kLlama4: w = Sigmoid(s); break;
+    case MxInt4Routing::kRenormalizeNaive:
+    case MxInt4Routing::kSigmoidRenorm: w = s / norm; break;
+    default: w = s; break;  // Default (softmax prob.), TopK (logit), Sigmoid
   }
+  const int64_t at = static_cast<int64_t>(t) * K + lane;
+  a.topk_ids[at] = id;
+  a.topk_weights[at] = w;
+  const int local = id - a.local_offset;
+  a.local_ids[at] = (local >= 0 && local < a.local_experts) ? local : -1;
 }
 
 }  // namespace
