@@ -4,10 +4,10 @@ share the machine's state. An experiment, not a benchmark: it replaces choose_ge
 decodes_without_alignment) while each variant traces. A variant is "s13.s2", or "auto" (the
 library's choice), optionally followed by "/aligned": the alignment path even where one token
 could skip it (decodes_without_alignment forced false), to compare the two paths in one process,
-or "/kernels": the one-token path as separate kernels where the fused decode kernel would run
-(choose_fused_decode forced false).
+"/kernels": the one-token path as separate kernels (choose_fused_decode forced false), or
+"/fused": the fused decode kernel wherever it fits (the automatic choice does not take it).
   python3 benchmarks/launch_probe.py wna16 Mixtral-8x7B 1 1.7 1.8
-  python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto auto/aligned auto/kernels
+  python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto auto/aligned auto/fused
 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
@@ -62,10 +62,12 @@ def make_op(op: str, name: str, t: int):
 
 
 def parse_variant(text: str):
-  """(split factors or None for the library's, the forced path: "", "aligned" or "kernels")."""
+  """(split factors or None for the library's, the forced path: "", "aligned", "kernels" or
+  "fused")."""
   splits, _, path = text.partition("/")
-  if path not in ("", "aligned", "kernels"):
-    raise ValueError(f"unknown path {path!r} in variant {text!r}: 'aligned' or 'kernels'")
+  if path not in ("", "aligned", "kernels", "fused"):
+    raise ValueError(f"unknown path {path!r} in variant {text!r}: 'aligned', 'kernels' or "
+                     "'fused'")
   return (None if splits == "auto" else tuple(int(v) for v in splits.split("."))), path
 
 
@@ -82,6 +84,11 @@ def forced(variant):
       _gpu_launch.decodes_without_alignment = lambda *args, **kwargs: False
     if path == "kernels":
       _gpu_launch.choose_fused_decode = lambda *args, **kwargs: False
+    if path == "fused":
+      def fused_where_it_fits(requested, *, one_token, top_k, hidden, intermediate):
+        del requested
+        return one_token and not _gpu_launch.fused_decode_error(top_k, hidden, intermediate)
+      _gpu_launch.choose_fused_decode = fused_where_it_fits
     yield
   finally:
     (_gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment,

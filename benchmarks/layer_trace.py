@@ -2,7 +2,7 @@
 under Nsight Compute (kernels serialized, so each duration is the kernel alone):
   ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       -k "regex:Align|Finalize|MoeInt4|MxInt4|Permute|DecodeLayer" \
-      python3 benchmarks/layer_trace.py wna16 Qwen3-30B-A3B 16 > /tmp/ncu.csv
+      python3 benchmarks/layer_trace.py wna16 Qwen3-30B-A3B 16 [variant] > /tmp/ncu.csv
   python3 benchmarks/layer_trace.py --summary /tmp/ncu.csv
 The summary keeps the last call's kernels (warm) and prints each kernel's mean duration and the
 sum per layer, in us, to set against the benchmark's in-graph time per layer.
@@ -48,10 +48,12 @@ def main():
     summarize(sys.argv[2])
     return
   op, name, t = sys.argv[1], sys.argv[2], int(sys.argv[3])
+  variant = sys.argv[4] if len(sys.argv) > 4 else "auto"  # a launch_probe variant, e.g. auto/fused
   multi, multi_args, _, _ = launch_probe.make_op(op, name, t)
   graph = jax.jit(lambda *a: multi(*a))
-  for _ in range(CALLS):
-    jax.block_until_ready(graph(*multi_args))
+  with launch_probe.forced(launch_probe.parse_variant(variant)):
+    for _ in range(CALLS):
+      jax.block_until_ready(graph(*multi_args))
 
 
 if __name__ == "__main__":
