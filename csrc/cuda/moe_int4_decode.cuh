@@ -13,9 +13,10 @@
 // the layer's weights stream as one burst while GEMM1 computes behind the arrivals, and GEMM2
 // finds its weights in shared memory when the barrier releases it.
 //
-// GEMM1's weights move by 16-byte cp.async from every thread (12 per thread at Qwen3), tracked by
-// mbarriers; GEMM2's by bulk copies (the copy engine), a second queue. Either alone streamed
-// well under the copy rate (H100, Qwen3 T=1, ncu: bulk copies ~1 TB/s, cp.async 1.7 TB/s).
+// The weights move by 16-byte cp.async from every thread (18 per thread at Qwen3), tracked by
+// mbarriers. Bulk copies (the copy engine) streamed at ~1 TB/s here, whether as 1 KB copies per
+// warp or whole 16 KB subtiles (H100, Qwen3 T=1, ncu): the SM's copy engine keeps too few bytes
+// in flight for a whole layer's share.
 //
 // Work split (the plan, PlanDecodeLayer; jax_moeq/ops/_gpu_launch.py repeats its arithmetic):
 //  GEMM1 unit  = (pair p, 16 activation columns u): gate subtile u and up subtile I/16 + u of
@@ -269,9 +270,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   const int i2_begin = warp * cta_items2 / kDecodeWarps;
   const int i2_count = (warp + 1) * cta_items2 / kDecodeWarps - i2_begin;
 
-  if (threadIdx.x == 0) {  // GEMM1's: one arrival per thread (CpAsyncArriveNoinc); GEMM2's: one
-    for (int j = 0; j < plan.max_units1; ++j) MbarrierInitCount(bars + j, blockDim.x);
-    MbarrierInit(bar2);
+  if (threadIdx.x == 0) {  // one arrival per thread (CpAsyncArriveNoinc)
+    for (int j = 0; j <= plan.max_units1; ++j) MbarrierInitCount(bars + j, blockDim.x);
   }
   for (int i = threadIdx.x; i < plan.max_units1 * 32 + plan.max_units2 * K * 16; i += blockDim.x) {
     red1[i] = 0.0f;  // red2 follows red1 directly (both f32, red1's size a multiple of 16 B)
@@ -286,28 +286,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   }
   __syncthreads();  // barriers initialized, sums zeroed, experts staged
 
-  // Every weight byte of the CTA requested at once: GEMM2's by bulk copies, GEMM1's by 16-byte
-  // cp.async spread over all threads; unit j's barrier completes when every thread's copies up
-  // to it have landed (cp.async.mbarrier.arrive.noinc, one per thread and barrier, also where a
-  // unit has nothing to load).
+  // Every weight byte of the CTA requested at once, 16 bytes per cp.async spread over all
+  // threads; unit j's barrier (and GEMM2's) completes when every thread's copies up to it have
+  // landed (cp.async.mbarrier.arrive.noinc, one per thread and barrier, also where a unit has
+  // nothing to load).
   {
-    // GEMM2's weights through the copy engine, a second queue beside the threads' cp.async
-    // (each alone streamed well under the copy rate): whole (subtile, pair) runs.
-    if (threadIdx.x == blockDim.x - 1) {
-      const uint32_t run_bytes = c2 * kDecodeChunkBytes;
-      uint32_t bytes2 = 0;
-      for (int k = 0; k < K; ++k) bytes2 += pair_expert[k] >= 0 ? run_bytes : 0;
-      MbarrierExpectBytes(bar2, bytes2 * n_units2);
-      for (int j2 = 0; j2 < n_units2; ++j2) {
-        for (int k = 0; k < K; ++k) {
-          const int e = pair_expert[k];
-          if (e < 0) continue;
-          BulkCopyToShared(slots2 + (j2 * K + k) * run_bytes,
-                           p.w2 + (static_cast<int64_t>(e) * n2_sub + u2_begin + j2) * c2 * 32,
-                           run_bytes, bar2);
-        }
-      }
-    }
     const int subtile_pieces = c1 * 32;  // 16-byte pieces
     int pair = pair1_begin, u = u_begin;
     for (int j = 0; j < plan.max_units1; ++j) {
@@ -326,6 +309,17 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
         ++pair;
       }
     }
+    const int run_pieces = c2 * 32;
+    for (int j2 = 0; j2 < n_units2; ++j2) {
+      for (int k = 0; k < K; ++k) {
+        const int e = pair_expert[k];
+        if (e < 0) continue;
+        const uint4* src = p.w2 + (static_cast<int64_t>(e) * n2_sub + u2_begin + j2) * run_pieces;
+        uint4* dst = reinterpret_cast<uint4*>(slots2) + (j2 * K + k) * run_pieces;
+        for (int q = threadIdx.x; q < run_pieces; q += blockDim.x) CpAsyncStream16(dst + q, src + q);
+      }
+    }
+    CpAsyncArriveNoinc(bar2);
     CpAsyncCommit();
   }
 
@@ -403,7 +397,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
           }
         }
         MbarrierWait(bars + j, 0);
-        float acc[2][2][1][4] = {};  // by chunk parity: two independent MMA chains
+        float acc[2][1][4] = {};
         const uint32_t base =
             SharedAddress(slots1 + (j * 2 * c1 + k1_begin) * kDecodeChunkBytes) + lane * 16;
 #pragma unroll
@@ -415,14 +409,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
             TokenChunk<T>(xs + (k1_begin + c) * 64, g, t, xv);
             const uint32_t sc[2] = {scale[0][c], scale[1][c]};
             const uint32_t zm[2] = {zero[0][c], zero[1][c]};
-            MmaChunk<T, kCode, 2, 1>(w, xv, sc, zm, acc[c & 1]);
+            MmaChunk<T, kCode, 2, 1>(w, xv, sc, zm, acc);
           }
         }
         if (t == 0) {  // token column 0: c[0] row g, c[2] row g + 8
-          atomicAdd(red1 + j * 32 + g, acc[0][0][0][0] + acc[1][0][0][0]);
-          atomicAdd(red1 + j * 32 + g + 8, acc[0][0][0][2] + acc[1][0][0][2]);
-          atomicAdd(red1 + j * 32 + 16 + g, acc[0][1][0][0] + acc[1][1][0][0]);
-          atomicAdd(red1 + j * 32 + 24 + g, acc[0][1][0][2] + acc[1][1][0][2]);
+          atomicAdd(red1 + j * 32 + g, acc[0][0][0]);
+          atomicAdd(red1 + j * 32 + g + 8, acc[0][0][2]);
+          atomicAdd(red1 + j * 32 + 16 + g, acc[1][0][0]);
+          atomicAdd(red1 + j * 32 + 24 + g, acc[1][0][2]);
         }
       }
       if (++u == units_per_pair) {
@@ -461,7 +455,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   // GEMM2: this warp's items; consecutive items of one (subtile, pair) share an accumulator.
   if (i2_count > 0) MbarrierWait(bar2, 0);
   {
-    float acc[2][1][1][4] = {};  // by item parity: two independent MMA chains
+    float acc[1][1][4] = {};
     Items2Cursor it;
     if (i2_count > 0) it.Start(i2_begin, c2, K);
     int current = -1;
@@ -471,12 +465,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
         const int key = it.j2 * K + it.pair;
         if (key != current) {
           if (current >= 0 && t == 0) {
-            atomicAdd(red2 + current * 16 + g, acc[0][0][0][0] + acc[1][0][0][0]);
-            atomicAdd(red2 + current * 16 + g + 8, acc[0][0][0][2] + acc[1][0][0][2]);
+            atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
+            atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
           }
           current = key;
 #pragma unroll
-          for (int q = 0; q < 4; ++q) acc[0][0][0][q] = acc[1][0][0][q] = 0.0f;
+          for (int q = 0; q < 4; ++q) acc[0][0][q] = 0.0f;
         }
         if (pair_expert[it.pair] >= 0) {
           const uint4 w[1] = {
@@ -485,14 +479,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
           TokenChunk<T>(acts + it.pair * I + it.c * 64, g, t, xv);
           const uint32_t sc[1] = {scale2[i]};
           const uint32_t zm[1] = {zero2[i]};
-          MmaChunk<T, kCode, 1, 1>(w, xv, sc, zm, acc[i & 1]);
+          MmaChunk<T, kCode, 1, 1>(w, xv, sc, zm, acc);
         }
         it.Next(c2, K);
       }
     }
     if (current >= 0 && t == 0) {
-      atomicAdd(red2 + current * 16 + g, acc[0][0][0][0] + acc[1][0][0][0]);
-      atomicAdd(red2 + current * 16 + g + 8, acc[0][0][0][2] + acc[1][0][0][2]);
+      atomicAdd(red2 + current * 16 + g, acc[0][0][0]);
+      atomicAdd(red2 + current * 16 + g + 8, acc[0][0][2]);
     }
   }
   __syncthreads();
