@@ -73,7 +73,8 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
                          int64_t intermediate_size, int64_t local_expert_offset,
                          int64_t routing_method, int64_t num_expert_group, int64_t topk_group,
                          float routed_scaling_factor, bool has_bias, int64_t block_m,
-                         int64_t split13, int64_t split2, int64_t mainloop, bool one_token, bool fused_decode) {
+                         int64_t split13, int64_t split2, int64_t mainloop, bool one_token,
+                         bool fused_decode) {
   cuda::MxInt4MoeProblem p;
   const auto xd = x.dimensions();
   if (xd.size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(xd));
@@ -170,7 +171,8 @@ ffi::Error MxInt4MoeIntoImpl(
     ffi::Result<ffi::AnyBuffer> ws2, ffi::Result<ffi::AnyBuffer> x_perm, int64_t top_k,
     int64_t intermediate_size, int64_t local_expert_offset, int64_t routing_method,
     int64_t num_expert_group, int64_t topk_group, float routed_scaling_factor, bool has_bias,
-    int64_t block_m, int64_t split13, int64_t split2, int64_t mainloop, bool one_token, bool fused_decode) {
+    int64_t block_m, int64_t split13, int64_t split2, int64_t mainloop, bool one_token,
+    bool fused_decode) {
   return MxInt4MoeImpl(stream, x, logits, bias, w13, s13, w2, s2, out, topk_ids, topk_weights,
                        local_ids, sorted_ids, expert_ids, num_post_padded, act, ws13, ws2, x_perm,
                        top_k, intermediate_size, local_expert_offset, routing_method,

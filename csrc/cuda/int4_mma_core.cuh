@@ -164,11 +164,13 @@ __device__ __forceinline__ void CpAsyncWait() {
 // Bulk copies (sm_90): one thread moves a contiguous run of global memory into shared memory
 // through the copy engine and an mbarrier counts the bytes in, so a warp keeps many KB in flight
 // for a handful of instructions.
-__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
+// `count` arrivals complete a phase (1: the one expect-bytes arrival of the bulk-copy rings).
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar, uint32_t count = 1) {
 #if JAX_MOEQ_BEFORE_SM90
   __trap();
 #else
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(count)
+               : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }

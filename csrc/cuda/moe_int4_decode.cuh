@@ -8,8 +8,8 @@
 //
 // Why: at one token the multi-kernel path is three to four short launches, each a chain of
 // dependent steps with few warps in flight (stop 15: 19-34 % of the copy rate at Qwen3 shapes).
-// Here one CTA per SM (cooperative launch, so every CTA is resident for the grid barrier) issues
-// bulk copies of *all* its weights, GEMM2's included, as soon as the token's experts are known:
+// Here one CTA per SM (cooperative launch, so every CTA is resident for the grid barrier) requests
+// *all* its weights, GEMM2's included, as soon as the token's experts are known:
 // the layer's weights stream as one burst while GEMM1 computes behind the arrivals, and GEMM2
 // finds its weights in shared memory when the barrier releases it.
 //
@@ -44,6 +44,7 @@ constexpr int kDecodeWarps = 16;
 constexpr int kDecodeMaxSlice1 = 4;   // GEMM1 chunks per warp and unit (hidden <= 4096)
 constexpr int kDecodeMaxItems2 = 16;  // GEMM2 chunks per warp (scales held in registers)
 constexpr int kDecodeChunkBytes = 512;
+constexpr int kDecodeMaxTopK = 32;    // expert ids and weights staged in shared memory
 // Static shared memory beside the plan's dynamic bytes (ptxas: 1024 for the staged expert ids
 // and weights and the grid barrier's needs); the plan's check counts it.
 constexpr int kDecodeStaticSmemBytes = 1024;
@@ -95,7 +96,9 @@ inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inte
 
 // Why a plan cannot run, or "" (max_smem: the device's opt-in shared memory per block).
 inline std::string DecodeLayerPlanError(const DecodeLayerPlan& p, int max_smem) {
-  if (p.top_k > 32) return "fused decode needs top_k <= 32";
+  if (p.top_k > kDecodeMaxTopK) {
+    return "fused decode needs top_k <= " + std::to_string(kDecodeMaxTopK);
+  }
   if (p.slice1 > kDecodeMaxSlice1) return "fused decode needs hidden <= 4096";
   if (p.items2 > kDecodeMaxItems2) {
     return "fused decode: GEMM2 has more than " + std::to_string(kDecodeMaxItems2) +
@@ -151,8 +154,6 @@ inline void SetDecodeGroups(DecodeLayerArgs& a, int group1, int group2) {
   a.group2_div = MakeFastDiv(static_cast<uint32_t>(group2));
 }
 
-constexpr int kDecodeMaxTopK = 32;  // expert ids and weights staged in shared memory
-
 __device__ __forceinline__ bool ExpertInRange(int e, int experts) { return e >= 0 && e < experts; }
 
 // Word g of a subtile's (scale | zero-point) group: words[e][group][sub][g], as offsets from the
@@ -171,16 +172,6 @@ struct GroupWords {
 __device__ __forceinline__ GroupWords WordsOf(const uint32_t* words, int e, int groups,
                                               int n_sub) {
   return GroupWords{words + static_cast<int64_t>(e) * groups * n_sub * 8, n_sub * 8};
-}
-
-__device__ __forceinline__ void MbarrierInitCount(uint64_t* bar, uint32_t count) {
-#if JAX_MOEQ_BEFORE_SM90
-  __trap();
-#else
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(count)
-               : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
 }
 
 // An arrival on `bar` once all of this thread's earlier cp.async copies have landed (counted
@@ -271,7 +262,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   const int i2_count = (warp + 1) * cta_items2 / kDecodeWarps - i2_begin;
 
   if (threadIdx.x == 0) {  // one arrival per thread (CpAsyncArriveNoinc)
-    for (int j = 0; j <= plan.max_units1; ++j) MbarrierInitCount(bars + j, blockDim.x);
+    for (int j = 0; j <= plan.max_units1; ++j) MbarrierInit(bars + j, blockDim.x);
   }
   for (int i = threadIdx.x; i < plan.max_units1 * 32 + plan.max_units2 * K * 16; i += blockDim.x) {
     red1[i] = 0.0f;  // red2 follows red1 directly (both f32, red1's size a multiple of 16 B)

@@ -187,6 +187,7 @@ def choose_split(busy_blocks: int, units: int, chunks: int, block_m: int, ws_byt
 DECODE_WARPS = 16            # kDecodeWarps
 DECODE_MAX_SLICE1 = 4        # kDecodeMaxSlice1: GEMM1 chunks per warp and unit
 DECODE_MAX_ITEMS2 = 16       # kDecodeMaxItems2: GEMM2 chunks per warp
+DECODE_MAX_TOP_K = 32        # kDecodeMaxTopK: expert ids staged in shared memory
 MAX_SHARED_BYTES_PER_CTA = 232448  # opt-in shared memory per block, H100 / H200 (227 KB)
 DECODE_STATIC_SHARED_BYTES = 1024  # kDecodeStaticSmemBytes: the kernel's static shared memory
 
@@ -209,8 +210,8 @@ def fused_decode_error(top_k: int, hidden: int, intermediate: int,
   max_units2 = _ceil_div(hidden // 16, ctas)
   slice1 = _ceil_div(hidden // 64, DECODE_WARPS)
   items2 = _ceil_div(max_units2 * top_k * (intermediate // 64), DECODE_WARPS)
-  if top_k > 32:
-    return "fused decode needs top_k <= 32"
+  if top_k > DECODE_MAX_TOP_K:
+    return f"fused decode needs top_k <= {DECODE_MAX_TOP_K}"
   if slice1 > DECODE_MAX_SLICE1:
     return "fused decode needs hidden <= 4096"
   if items2 > DECODE_MAX_ITEMS2:
