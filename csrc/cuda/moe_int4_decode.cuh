@@ -130,7 +130,7 @@ struct DecodeLayerArgs {
   int activation = 0;
   void* act = nullptr;                   // [K][I] T scratch
   void* out = nullptr;                   // [H] T
-  DecodeLayerPlan plan;
+  DecodeLayerPlan plan;                  // filled by LaunchDecodeLayer
   // Profiling only (JAX_MOEQ_DECODE_STOP_AFTER, DecodeStopAfter): end the kernel after phase
   // 1 (every weight byte landed), 2 (GEMM1) or 3 (the grid barrier), leaving the output unwritten;
   // 0 runs it all.
@@ -527,32 +527,26 @@ inline std::string DecodeDevice(int* device, DecodeDeviceInfo* info) {
   return "";
 }
 
-// The device's plan for a call: one CTA per SM.
-inline std::string DeviceDecodeLayerPlan(int top_k, int hidden, int inter, DecodeLayerPlan* plan) {
+// Plans the call for the current device (one CTA per SM) and launches the fused decode kernel:
+// cooperative (all CTAs resident for the grid barrier; the launch fails rather than deadlocks
+// when they cannot be) and after the prior kernel with the dependent launch. args.plan is
+// filled here. __launch_bounds__(512, 1) keeps the registers within one CTA per SM; the plan
+// checks the shared memory.
+template <typename T, NibbleCode kCode>
+std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) {
   int device = 0;
   DecodeDeviceInfo info;
   if (std::string err = DecodeDevice(&device, &info); !err.empty()) return err;
-  *plan = PlanDecodeLayer(info.sms, top_k, hidden, inter);
-  return DecodeLayerPlanError(*plan, info.max_smem);
-}
-
-// Launches the fused decode kernel: cooperative (all CTAs resident for the grid barrier; the
-// launch fails rather than deadlocks when they cannot be) and after the prior kernel with the
-// dependent launch. args.plan must come from DeviceDecodeLayerPlan. __launch_bounds__(512, 1)
-// keeps the registers within one CTA per SM; the plan checked the shared memory.
-template <typename T, NibbleCode kCode>
-std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) {
-  const auto kernel = DecodeLayerKernel<T, kCode>;
-  const int smem = args.plan.smem_bytes;
   DecodeLayerArgs launch_args = args;
+  launch_args.plan = PlanDecodeLayer(info.sms, args.top_k, args.hidden, args.inter);
+  if (std::string err = DecodeLayerPlanError(launch_args.plan, info.max_smem); !err.empty()) {
+    return err;
+  }
   launch_args.stop_after = DecodeStopAfter();
+  const auto kernel = DecodeLayerKernel<T, kCode>;
+  const int smem = launch_args.plan.smem_bytes;
   // The shared-memory opt-in, raised per device as plans need more (once per shape in practice).
   static std::atomic<int> opted_in[kDecodeMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDecodeMaxDevices) {
-    cudaGetLastError();
-    return "fused decode: no usable current device";
-  }
   if (opted_in[device].load() < smem) {
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
         cudaSuccess) {
@@ -562,7 +556,7 @@ std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) 
     opted_in[device].store(smem);
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(args.plan.ctas);
+  config.gridDim = dim3(launch_args.plan.ctas);
   config.blockDim = dim3(kDecodeWarps * 32);
   config.dynamicSmemBytes = smem;
   config.stream = stream;

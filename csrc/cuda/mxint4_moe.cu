@@ -174,7 +174,6 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
     a.activation = 0;
     a.act = p.act;
     a.out = p.out;
-    if (std::string e = DeviceDecodeLayerPlan(a.top_k, H, I, &a.plan); !e.empty()) return e;
     return LaunchDecodeLayer<Bf16, NibbleCode::kSignedInt4>(a, stream);
   }
 

@@ -102,7 +102,6 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     a.activation = p.activation;
     a.act = p.act;
     a.out = p.out;
-    if (std::string err = DeviceDecodeLayerPlan(a.top_k, H, I, &a.plan); !err.empty()) return err;
     return LaunchDecodeLayer<T, NibbleCode::kUint4b8>(a, stream);
   }
 
