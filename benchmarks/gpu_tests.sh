@@ -6,6 +6,7 @@
 # scratch stays in a temporary folder; $OUT gets one file, tests.log (a device call returns at
 # most 8 files).
 #   SHARDS=4 FILES="tests/test_wna16_gpu.py" TEST_ARGS='-k "one_token"' TEST_TIMEOUT=500
+#   REPORT_ERRORS=1
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_tests}
@@ -21,6 +22,10 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 # passed. At 8 shards (8.8 GB each) five MxInt4 tests of the two largest shapes failed (failure text
 # lost to the time limit; the cap is the likely cause): keep SHARDS <= 6.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(awk -v n="$SHARDS" 'BEGIN { printf "%.2f", 0.9 / n }')}
+# REPORT_ERRORS=1: every relative error the tests compute is printed (scripts/test_errors.py)
+# and $OUT/errors.txt lists them by test.
+runner=(-m pytest)
+[ "${REPORT_ERRORS:-0}" = 1 ] && runner=(scripts/test_errors.py -s)
 start=$(date +%s)
 eval "\"$PY\" -m pytest $FILES ${TEST_ARGS:-} --collect-only -q -p no:cacheprovider" 2>&1 |
   grep "::" >"$WORK/ids.txt"
@@ -30,7 +35,7 @@ for s in $(seq 0 $((SHARDS - 1))); do
   (mapfile -t ids <"$WORK/shard_$s.txt"
    # SIGINT at the limit: pytest then still prints which tests failed so far (a plain kill left
    # only the progress dots, 2026-11-24).
-   [ ${#ids[@]} -gt 0 ] && timeout -s INT -k 30 "${TEST_TIMEOUT:-500}" "$PY" -m pytest -q -rfEs \
+   [ ${#ids[@]} -gt 0 ] && timeout -s INT -k 30 "${TEST_TIMEOUT:-500}" "$PY" "${runner[@]}" -q -rfEs \
      -p no:cacheprovider "${ids[@]}" >"$WORK/tests_$s.log" 2>&1
    echo "rc=$?" >>"$WORK/tests_$s.log") &
 done
@@ -51,4 +56,5 @@ if [ ${#failed[@]} -gt 0 ]; then
 fi
 echo "tests: $(( $(date +%s) - start )) s"
 cat "$WORK"/tests_*.log "$WORK"/rerun.log >"$OUT/tests.log" 2>/dev/null
+[ "${REPORT_ERRORS:-0}" = 1 ] && grep -h "^REL " "$WORK"/tests_*.log | sort >"$OUT/errors.txt"
 rm -rf "$WORK"

@@ -5,8 +5,9 @@ Reference (same rounding points as the kernel and reference.fused_moe_wna16): we
 dequantized to x's dtype (round((nibble - zero) * scale)), f32 accumulation, y13 + bias rounded,
 activation rounded, GEMM2 accumulator + bias times the top-k weight rounded once, sum over k in
 f32 rounded once. A few cases are also checked against jax_moeq.reference.fused_moe_wna16.
-Tolerance: rel. Frobenius <= 1e-2 in bf16/fp16 (SPEC §9); the only differences are f32
-summation order and the resulting rare 1-ulp flips at the rounding points.
+Tolerance: rel. Frobenius <= 1e-2 in bf16/fp16 (SPEC §9) where the GEMM kernels fold groups of
+>= 64 (q·s unrounded); one ulp of the dtype (_rounding_tol) where a path rounds exactly as the
+reference, so that only f32 summation order differs (its rare 1-ulp flips at rounding points).
 """
 
 import functools
@@ -18,6 +19,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from jax_moeq import reference
 from jax_moeq.ops import wna16_gpu
 from jax_moeq.quant import int4
 
@@ -29,6 +31,19 @@ if _REASON:
   pytest.skip(_REASON, allow_module_level=True)
 
 TOL = 1e-2
+# The reference rounds through reference.round_to_dtype (reduce_precision): on the GPU, XLA's
+# excess precision (on by default) drops astype(bf16).astype(f32) pairs inside fusions, which
+# left a reference built on them ~5e-3 off in bf16 even from kernels that round exactly where it
+# does (H100, stop 17: 4e-4 or less once the pairs were kept).
+_round = reference.round_to_dtype
+
+
+def _rounding_tol(dtype):
+  """For a path that dequantizes and rounds where the reference does (every group size of the
+  fused decode kernel; group 32 of the GEMM kernels, which fold larger groups as q·s unrounded):
+  only the f32 summation order differs, which moves a rounding point by one ulp for the rare
+  values it straddles, so the error stays well under one ulp of the dtype (2^-8 bf16, 2^-11 fp16)."""
+  return 2.0**-8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0**-11
 
 
 def _rel(a, b):
@@ -60,7 +75,7 @@ def _dequant(gemm, dtype):
   e, n, k = q.shape
   col_group = g_idx if g_idx is not None else jnp.broadcast_to(jnp.arange(k) // gemm["group"],
                                                                (e, k))
-  s_col = jnp.take_along_axis(s.astype(dtype).astype(jnp.float32), col_group[:, :, None], 1)
+  s_col = jnp.take_along_axis(_round(s, dtype), col_group[:, :, None], 1)
   s_col = jnp.swapaxes(s_col, 1, 2)  # [E, N, K]
   u = q.astype(jnp.float32) + 8
   zero = 8.0
@@ -88,9 +103,9 @@ def _expert_mlp(x, w13, w2, b13, b2, kind, dtype):
   y13 = dot(x.astype(jnp.float32), w13.astype(jnp.float32).T)
   if b13 is not None:
     y13 = y13 + b13
-  y13 = y13.astype(dtype).astype(jnp.float32)
+  y13 = _round(y13, dtype)
   i = y13.shape[-1] // 2
-  a = _activation(kind, y13[..., :i], y13[..., i:]).astype(dtype).astype(jnp.float32)
+  a = _round(_activation(kind, y13[..., :i], y13[..., i:]), dtype)
   y2 = dot(a, w2.astype(jnp.float32).T)
   if b2 is not None:
     y2 = y2 + b2
@@ -105,7 +120,7 @@ def _reference_standard(x, topk_ids, topk_weights, w13, w2, b13, b2, *, kind, dt
     w13_e, w2_e, b13_e, b2_e, idx = inputs
     y = _expert_mlp(x, w13_e, w2_e, b13_e, b2_e, kind, dtype)  # [T, H]
     hit = (topk_ids == idx)  # [T, K]
-    contrib = (y[:, None, :] * topk_weights[:, :, None]).astype(dtype).astype(jnp.float32)
+    contrib = _round(y[:, None, :] * topk_weights[:, :, None], dtype)
     return carry + jnp.sum(jnp.where(hit[:, :, None], contrib, 0.0), axis=1), None
 
   b13 = b13 if b13 is not None else jnp.zeros((e, w13.shape[1]), jnp.float32)
@@ -122,7 +137,7 @@ def _reference_batched(x, counts, w13, w2, b13, b2, *, kind, dtype):
   b2 = b2 if b2 is not None else jnp.zeros((e, w2.shape[1]), jnp.float32)
   y = jax.vmap(lambda xe, a, b, c, d: _expert_mlp(xe, a, b, c, d, kind, dtype))(x, w13, w2, b13, b2)
   live = jnp.arange(m)[None, :, None] < counts[:, None, None]
-  return jnp.where(live, y.astype(dtype).astype(jnp.float32), 0.0).astype(dtype)
+  return jnp.where(live, _round(y, dtype), 0.0).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnums=tuple(range(10)))
@@ -197,7 +212,8 @@ def _run_case(case, **launch):
 def test_standard_vs_reference(case):
   got, want, _ = _run_case(case)
   err = _rel(got, want)
-  assert err <= TOL, f"rel. Frobenius error {err:.3e}"
+  tol = _rounding_tol(case[6]) if case[5] == 32 else TOL
+  assert err <= tol, f"rel. Frobenius error {err:.3e}"
 
 
 @pytest.mark.parametrize("block_m", [8, 16, 32, 64])
@@ -352,11 +368,12 @@ def test_one_token_decode_path(case, fused_decode):
   assert _gpu_launch.decodes_without_alignment(t, 8)
   assert (split13 > 1) == (h >= 1024)  # the cases above cover both GEMM1 forms
   got, want, (x, weights, topk_w, topk_ids) = _run_case(case, fused_decode=fused_decode)
-  assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
+  tol = _rounding_tol(case[6]) if fused_decode or case[5] == 32 else TOL
+  assert _rel(got, want) <= tol, f"rel. Frobenius error {_rel(got, want):.3e}"
   if fused_decode:
     # The fused kernel dequantizes as MmaChunk (each weight rounded to the dtype) at every group
     # size, while the GEMM kernels fold groups of >= 64 inputs (q s unrounded, 2^-9 relative off
-    # per bf16 weight): so not held to the aligned path's one-ulp bound, only to the reference.
+    # per bf16 weight): so compared with the reference only, not with the aligned path.
     return
   # The aligned path (block_m 16) on the same inputs: same products; only the split GEMMs' f32
   # atomics add in another order, which moves a rounding point by at most one ulp of the dtype
@@ -381,7 +398,8 @@ FUSED_DECODE_CASES = [
 @pytest.mark.parametrize("case", FUSED_DECODE_CASES, ids=_case_id)
 def test_fused_decode_model_shapes(case):
   got, want, (x, weights, topk_w, topk_ids) = _run_case(case, fused_decode=True)
-  assert _rel(got, want) <= TOL, f"rel. Frobenius error {_rel(got, want):.3e}"
+  err = _rel(got, want)
+  assert err <= _rounding_tol(case[6]), f"rel. Frobenius error {err:.3e}"
   kernels = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
                                        fused_decode=False)
   assert _rel(got, kernels.astype(jnp.float32)) <= TOL
