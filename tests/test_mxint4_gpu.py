@@ -3,8 +3,8 @@ Skipped without a CUDA GPU of compute capability >= 9.0 and our CUDA library.
 
 Reference: same rounding points as the kernel (weights round(q·s) in bf16, f32 accumulation,
 y13 / activation / weighted y2 rounded to bf16, f32 sum over k rounded once). Tolerance: rel.
-Frobenius <= 1e-2 (SPEC §9, bf16); the differences are f32 summation order and the rare 1-ulp
-flips it causes at the rounding points. Routing: the GPU ids must equal `routing.route`'s
+Frobenius <= 2^-8, one bf16 ulp, tighter than SPEC §9's 1e-2: the differences are f32 summation
+order and the rare 1-ulp flips it causes at the rounding points. Routing: the GPU ids must equal `routing.route`'s
 exactly (random f32 logits have no near-ties at the f32 rounding level of the scores), and the
 weights agree to 1e-5 relative (expf / division rounding).
 """
@@ -28,7 +28,14 @@ _REASON = _helpers.cuda_skip_reason(mxint4_gpu.is_mxint4_moe_available)
 if _REASON:
   pytest.skip(_REASON, allow_module_level=True)
 
-TOL = 1e-2
+# Against the reference: every path dequantizes and rounds where the reference does (groups of
+# 32 never take the GEMM kernels' folded loop), so only f32 summation order differs and its rare
+# 1-ulp flips at rounding points: well under one bf16 ulp (measured on the H100, stop 17: at
+# most 6.2e-4 over this file).
+TOL = 2.0**-8
+# The sum of expert-parallel ranks' outputs against the full layer: each rank rounds its partial
+# sum to bf16 once, so R roundings against one (SPEC §9's bf16 bound).
+RANK_SUM_TOL = 1e-2
 
 
 def _rel(a, b):
@@ -166,7 +173,7 @@ def test_expert_parallel_ranks_sum_to_full(ranks):
     assert _rel(part, ref) <= TOL
     total = total + part.astype(jnp.float32)
   # Each rank rounds its partial sum to bf16 once: the sum stays within bf16 tolerance.
-  assert _rel(total, full) <= TOL
+  assert _rel(total, full) <= RANK_SUM_TOL
 
 
 def test_vmap_of_token_sets_matches_separate_calls():
@@ -284,7 +291,7 @@ def test_one_token_decode_path(ranks, mainloop, fused_decode, h):
     else:
       assert _rel(part, ref) <= TOL
     total = total + part.astype(jnp.float32)
-  assert _rel(total, full) <= TOL  # each rank rounds its partial sum to bf16 once
+  assert _rel(total, full) <= RANK_SUM_TOL  # each rank rounds its partial sum to bf16 once
   if ranks == 1:  # same products as the aligned path; the f32 atomics add in another order
     assert _rel(total, full) <= 2.0**-8
 

@@ -5,9 +5,10 @@ Reference (same rounding points as the kernel and reference.fused_moe_wna16): we
 dequantized to x's dtype (round((nibble - zero) * scale)), f32 accumulation, y13 + bias rounded,
 activation rounded, GEMM2 accumulator + bias times the top-k weight rounded once, sum over k in
 f32 rounded once. A few cases are also checked against jax_moeq.reference.fused_moe_wna16.
-Tolerance: rel. Frobenius <= 1e-2 in bf16/fp16 (SPEC §9) where the GEMM kernels fold groups of
->= 64 (q·s unrounded); one ulp of the dtype (_rounding_tol) where a path rounds exactly as the
-reference, so that only f32 summation order differs (its rare 1-ulp flips at rounding points).
+Tolerance: rel. Frobenius <= 1e-2 in bf16/fp16 (SPEC §9) where the block_m 8/16 GEMM kernels
+fold groups of >= 64 (q·s unrounded, 5e-3 off in bf16); one ulp of the dtype (_rounding_tol)
+where a path rounds exactly as the reference, so that only f32 summation order differs (its rare
+1-ulp flips at rounding points).
 """
 
 import functools
@@ -39,10 +40,11 @@ _round = reference.round_to_dtype
 
 
 def _rounding_tol(dtype):
-  """For a path that dequantizes and rounds where the reference does (every group size of the
-  fused decode kernel; group 32 of the GEMM kernels, which fold larger groups as q·s unrounded):
-  only the f32 summation order differs, which moves a rounding point by one ulp for the rare
-  values it straddles, so the error stays well under one ulp of the dtype (2^-8 bf16, 2^-11 fp16)."""
+  """For a path that dequantizes and rounds where the reference does (the fused decode kernel and
+  the wgmma GEMM at every group size; the block_m 8/16 kernels at group 32 only, since they fold
+  larger groups as q·s unrounded): only the f32 summation order differs, which moves a rounding
+  point by one ulp for the rare values it straddles, so the error stays well under one ulp of
+  the dtype (2^-8 bf16, 2^-11 fp16)."""
   return 2.0**-8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0**-11
 
 
@@ -288,7 +290,7 @@ WGMMA_CASES = [
 def test_wgmma_vs_reference(case):
   got, want, (x, weights, topk_w, topk_ids) = _run_case(case, block_m=128)
   err = _rel(got, want)
-  assert err <= TOL, f"rel. Frobenius error {err:.3e}"
+  assert err <= _rounding_tol(case[6]), f"rel. Frobenius error {err:.3e}"
   # The mma.sync GEMM dequantizes to the same values and rounds at the same points: the two
   # differ only by f32 summation order (1-ulp flips at the bf16/fp16 rounding points).
   small = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
@@ -307,7 +309,7 @@ def test_wgmma_batched():
   got = np.asarray(got.astype(jnp.float32))
   assert np.isfinite(got).all(), "unwritten (NaN) output elements"
   assert _rel(got, _reference_batched(x, counts, w13, w2, b13, b2, kind=0,
-                                      dtype=jnp.float16)) <= TOL
+                                      dtype=jnp.float16)) <= _rounding_tol(jnp.float16)
   live = np.arange(m)[None, :] < np.asarray(counts)[:, None]
   assert np.all(got[~live] == 0)
 
