@@ -75,7 +75,8 @@ def main() -> None:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
-  print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s; in-graph us per layer, 8 layers in one jit")
+  print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s; in-graph us per layer, "
+        "8 layers in one jit")
   print(f"{'shape':18} {'T':>5} {'MB':>6} {'read1 us':>9} {'%HBM':>5} {'read2 us':>9} {'%HBM':>5}")
   for r in rows:
     print(f"{r['shape']:18} {r['T']:5d} {r['mbytes']:6.1f} {r['read1_us']:9.1f} "

@@ -3,10 +3,10 @@ Skipped without a CUDA GPU of compute capability >= 9.0 and our CUDA library.
 
 Reference: same rounding points as the kernel (weights round(q·s) in bf16, f32 accumulation,
 y13 / activation / weighted y2 rounded to bf16, f32 sum over k rounded once). Tolerance: rel.
-Frobenius <= 2^-8, one bf16 ulp, tighter than SPEC §9's 1e-2: the differences are f32 summation
-order and the rare 1-ulp flips it causes at the rounding points. Routing: the GPU ids must equal `routing.route`'s
-exactly (random f32 logits have no near-ties at the f32 rounding level of the scores), and the
-weights agree to 1e-5 relative (expf / division rounding).
+Frobenius <= 2^-8, one bf16 ulp, tighter than SPEC §9's 1e-2: the differences are f32
+summation order and the rare 1-ulp flips it causes at the rounding points. Routing: the GPU ids
+must equal `routing.route`'s exactly (random f32 logits have no near-ties at the f32 rounding
+level of the scores), and the weights agree to 1e-5 relative (expf / division rounding).
 """
 
 import _helpers
