@@ -163,6 +163,13 @@ def copy_bandwidth():
   return 2 * x.nbytes / sec
 
 
+def save_rows(path: str | None, dev, hbm: float, rows: list[dict]) -> None:
+  """Writes a run's rows, the device and its copy rate as JSON to `path` (nothing without one)."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+
+
 def argument_parser() -> argparse.ArgumentParser:
   """The options both GPU MoE benchmarks take (this one and mxint4_bench.py)."""
   ap = argparse.ArgumentParser()
@@ -261,9 +268,7 @@ def main():
       rows.append(row)
       print(json.dumps(row), flush=True)
     del layers, w13_bf, w2_bf
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  save_rows(args.json, dev, hbm, rows)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers (own weights and routing) in one jit; us1: one jit dispatch per call;"
         f" alt us: as us, {alt_name}; ragged us: one dispatch per layer (see ragged_time)")

@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import progress  # noqa: E402
 from gpu_moe_bench import (ROUTING_SETS, SHAPES, copy_bandwidth, routing_sets,  # noqa: E402
-                           time_calls)
+                           save_rows, time_calls)
 
 
 def chained_reads(arrays_per_layer: list[list[jax.Array]]) -> jax.Array:
@@ -72,9 +72,7 @@ def main() -> None:
       rows.append(row)
       print(json.dumps(row), flush=True)
       del w13, w2, both
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+  save_rows(args.json, dev, hbm, rows)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s; in-graph us per layer, "
         "8 layers in one jit")
   print(f"{'shape':18} {'T':>5} {'MB':>6} {'read1 us':>9} {'%HBM':>5} {'read2 us':>9} {'%HBM':>5}")
