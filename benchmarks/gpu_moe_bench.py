@@ -69,6 +69,12 @@ def routing_sets(seed, t, e, k):
   return sets
 
 
+def mean_experts_hit(id_sets) -> float:
+  """Mean number of distinct experts over routing sets of top-k ids (the experts whose weights a
+  layer reads: the bytes behind the benchmarks' bandwidth figures)."""
+  return statistics.mean(len(np.unique(np.asarray(ids))) for ids in id_sets)
+
+
 def time_calls(fn, args_list, min_time=0.2, reps=5):
   """Median per-call seconds: back-to-back async calls (rotating inputs), one sync per rep."""
   out = fn(*args_list[0])
@@ -237,7 +243,7 @@ def main():
       sets = routing_sets(t, t, e, k)
       x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
       dsets = [(jnp.asarray(ids), jnp.asarray(w)) for ids, w in sets]
-      experts_hit = statistics.mean(len(np.unique(ids)) for ids, _ in sets)
+      experts_hit = mean_experts_hit(ids for ids, _ in sets)
       # In-graph time: all routing sets' layers in one executable (as inside a model, where
       # XLA launches back to back); the single-dispatch time includes host overhead.
       ids_stack = jnp.stack([d[0] for d in dsets])

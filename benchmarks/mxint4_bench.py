@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -104,7 +103,7 @@ def main():
       x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
       dlogits = [(jnp.asarray(l),) for l, _, _ in sets]
       stacked = jnp.stack([l for (l,) in dlogits])
-      experts_hit = statistics.mean(len(np.unique(ids)) for _, ids, _ in sets)
+      experts_hit = peers.mean_experts_hit(ids for _, ids, _ in sets)
       t_ours = peers.time_calls(lambda ls: ours_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
       t_ours_1 = peers.time_calls(lambda l, wts: ours(x, l, *wts),
                                   [(l, layers[j]) for j, (l,) in enumerate(dlogits)])

@@ -16,19 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import progress  # noqa: E402
-from gpu_moe_bench import (ROUTING_SETS, SHAPES, copy_bandwidth, routing_sets,  # noqa: E402
-                           save_rows, time_calls)
+from gpu_moe_bench import (ROUTING_SETS, SHAPES, copy_bandwidth,  # noqa: E402
+                           mean_experts_hit, routing_sets, save_rows, time_calls)
 
 
 def chained_reads(arrays_per_layer: list[list[jax.Array]]) -> jax.Array:
@@ -53,7 +51,7 @@ def main() -> None:
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]
     for t in (int(v) for v in args.tokens.split(",")):
-      hits = statistics.mean(len(np.unique(ids)) for ids, _ in routing_sets(t, t, e, k))
+      hits = mean_experts_hit(ids for ids, _ in routing_sets(t, t, e, k))
       words13 = int(round(hits * 2 * i * h / 8))  # int4: 8 per uint32
       words2 = int(round(hits * i * h / 8))
       progress(f"{name} T={t}: {hits:.2f} experts hit, {4 * (words13 + words2) / 1e6:.1f} MB")
