@@ -1,8 +1,11 @@
 """Timing helpers shared by the benchmarks: median wall time after warm-up, a read-bandwidth
-probe, progress lines on stderr, and markdown tables."""
+probe, progress lines on stderr, and markdown tables; and where the benchmarks import jax_moeq
+from (use_source_tree_if_not_installed)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import statistics
 import sys
 import threading
@@ -10,6 +13,16 @@ import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+
+def use_source_tree_if_not_installed() -> None:
+  """Lets a script under benchmarks/ import jax_moeq. An importable jax_moeq (the installed
+  package, or the tree named by PYTHONPATH) is used as it is; only when there is none does the
+  source tree above benchmarks/ go on sys.path (a dev build: scripts/dev_build.sh). Putting the
+  tree first in every case would shadow an installed package with a tree whose native libraries
+  may not be built."""
+  if importlib.util.find_spec("jax_moeq") is None:
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def progress(message: str) -> None:

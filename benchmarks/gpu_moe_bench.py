@@ -24,7 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
 from jax_moeq.ops import wna16_gpu  # noqa: E402
 
 SHAPES = {  # name: (E, K, H, I)

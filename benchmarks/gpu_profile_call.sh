@@ -13,13 +13,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_profile}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 STAGES=${STAGES:-"build ncu"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if has build; then
   STAGES=build OUT=$OUT timeout 300 bash benchmarks/gpu_suite.sh | tail -3 || exit 1
 fi
+# The tree's jax_moeq when it holds a built CUDA library (the build stage, scripts/dev_build.sh),
+# otherwise the installed package (an unbuilt tree first on PYTHONPATH would shadow it).
+[ -f jax_moeq/lib/libjax_moeq_cuda.so ] && export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 
 profile() {  # shape T mainloop

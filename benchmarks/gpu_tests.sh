@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU test in one device call: one pytest process runs past a call's 600 s (most of it is
-# XLA compiling and the jnp references), so the collected node ids are dealt round-robin to
-# SHARDS processes that share the GPU (XLA's allocator grows on demand) and the machine's cores.
-# Expects the CUDA library built (benchmarks/gpu_suite.sh STAGES=build, or carried). The shards'
-# scratch stays in a temporary folder; $OUT gets one file, tests.log (a device call returns at
-# most 8 files).
+# Every GPU test in one run of under 10 minutes: one pytest process takes longer than that (most
+# of it is XLA compiling and the jnp references), so the collected node ids are dealt round-robin
+# to SHARDS processes that share the GPU (XLA's allocator grows on demand) and the machine's
+# cores. Expects the CUDA library built: in the tree (benchmarks/gpu_suite.sh STAGES=build) or
+# installed (pip install .). The shards' scratch stays in a temporary folder; $OUT gets one
+# file, tests.log (and errors.txt with REPORT_ERRORS=1).
 #   SHARDS=4 FILES="tests/test_wna16_gpu.py" TEST_ARGS='-k "one_token"' TEST_TIMEOUT=500
 #   REPORT_ERRORS=1
 set -uo pipefail
@@ -15,7 +15,11 @@ PY=${PYTHON:-python3}
 FILES=${FILES:-"tests/test_wna16_gpu.py tests/test_mxint4_gpu.py tests/test_wna16_layout.py"}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The tree's jax_moeq when it holds a built CUDA library (gpu_suite.sh STAGES=build,
+# scripts/dev_build.sh), otherwise the installed package (an unbuilt tree first on PYTHONPATH
+# would shadow it).
+[ -f jax_moeq/lib/libjax_moeq_cuda.so ] && export PYTHONPATH=$PWD
 # Each shard's allocator is capped at its share of the GPU: uncapped, the shards' pools grew
 # until one ran out (RESOURCE_EXHAUSTED allocating 1.4 GB in MxInt4 test_model_shapes[1-*] with 6
 # shards, 2026-11-24; both passed alone). 0.9 / SHARDS each: 12 GB at 6 shards, where all 148

@@ -15,8 +15,10 @@ import sys
 
 import jax
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
 import launch_probe  # noqa: E402
 
 CALLS = 3

@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
 from jax_moeq.ops import mxint4_gpu  # noqa: E402
 from jax_moeq.routing import RoutingMethodType  # noqa: E402
 import gpu_moe_bench as peers  # noqa: E402  (ragged_dot / torch baselines, timing)

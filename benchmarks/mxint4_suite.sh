@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/mxint4_suite}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"build test memcheck bench"}
 PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 summary=()
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
@@ -39,6 +39,9 @@ if has build; then
     echo "build: FAILED"; exit 1
   fi
 fi
+# The tree's jax_moeq when it holds a built CUDA library (the build stage, scripts/dev_build.sh),
+# otherwise the installed package (an unbuilt tree first on PYTHONPATH would shadow it).
+[ -f jax_moeq/lib/libjax_moeq_cuda.so ] && export PYTHONPATH=$PWD
 
 if has test; then
   "$PY" -m pytest tests/test_mxint4_gpu.py ${TEST_ARGS:-} -q -rs -p no:cacheprovider \

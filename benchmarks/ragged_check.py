@@ -7,7 +7,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
 import gpu_moe_bench as g  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "Mixtral-8x7B"

@@ -23,7 +23,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
 from _timing import progress  # noqa: E402
 from gpu_moe_bench import (ROUTING_SETS, SHAPES, copy_bandwidth,  # noqa: E402
                            mean_experts_hit, routing_sets, save_rows, time_calls)

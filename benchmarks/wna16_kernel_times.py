@@ -8,8 +8,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
 from jax_moeq.ops import wna16_gpu  # noqa: E402
 import gpu_moe_bench  # noqa: E402
 
