@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of two builds of the CUDA library in one GPU call: the working tree and a baseline source
+# A/B of two builds of the CUDA library in one run on a GPU: the working tree and a baseline source
 # tree (e.g. `git archive HEAD csrc xla_ffi cmake CMakeLists.txt | tar -x -C .ab/base`, carried to
 # the device). Builds both, then runs CMD once per library (JAX_MOEQ_CUDA_LIBRARY), alternating
 # ROUNDS times, so the two timings share the machine's state. Only the library is swapped, so both

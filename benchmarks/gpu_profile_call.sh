@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU calls that fit a short lease: build, per-kernel times (ncu) of the WNA16 op at decode and
-# prefill for both GEMM main loops, the WNA16 + MxInt4 GPU tests, and a quick benchmark; for the
-# wgmma prefill GEMM (block_m 128): its tests, an ncu look at its two launches (pipe use, stall
+# Short GPU runs, each stage time-boxed: build, per-kernel times (ncu) of the WNA16 op at decode
+# and prefill for both GEMM main loops, the WNA16 + MxInt4 GPU tests, and a quick benchmark; for
+# the wgmma prefill GEMM (block_m 128): its tests, an ncu look at its two launches (pipe use, stall
 # counters, memory throughput) and a timing of the default launch beside block_m 128.
 #   STAGES="build ncu test bench prefill_test prefill_ncu prefill_bench launch_ab" (default: build
 #   ncu); launch_ab times decode under each LAUNCH_CONFIGS entry (comma-separated env settings,

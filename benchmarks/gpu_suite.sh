@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build the CUDA library, run the WNA16 GPU tests, a
+# One run on a GPU machine: build the CUDA library, run the WNA16 GPU tests, a
 # compute-sanitizer memcheck of a small case, and the benchmark. Logs go to $OUT (or /tmp).
 #   STAGES="build test memcheck bench" (default all; "trace" adds ncu per-kernel times, TRACE=...;
 #   "stalls" one kernel's ncu stall reasons, STALL_KERNEL=... STALL_SPEC=...; "probe" launch
@@ -104,8 +104,7 @@ fi
 
 if has trace; then
   # Per-kernel durations under ncu (benchmarks/layer_trace.py), one line of means per kernel, also
-  # in $OUT/trace.log; the raw CSVs go into one archive, $OUT/trace_csv.tgz (a device call
-  # returns at most 8 files). TRACE="op shape T; ..." (default: the small-expert decode shapes).
+  # in $OUT/trace.log; the raw CSVs go into one archive, $OUT/trace_csv.tgz. TRACE="op shape T; ..." (default: the small-expert decode shapes).
   raw=$(mktemp -d)
   IFS=';' read -ra specs <<<"${TRACE:-wna16 Qwen3-30B-A3B 1; wna16 Qwen3-30B-A3B 16; mxint4 Qwen3-30B-A3B 1; mxint4 Qwen3-30B-A3B 16}"
   for spec in "${specs[@]}"; do

@@ -11,7 +11,7 @@ could skip it (decodes_without_alignment forced false), to compare the two paths
 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
-(host dispatch included, as split_probe measured before).
+(host dispatch included).
 """
 
 import contextlib

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for MxInt4: build the CUDA library (plain nvcc, all cores), run
+# One run on a GPU machine for MxInt4: build the CUDA library (plain nvcc, all cores), run
 # the MxInt4 tests, a compute-sanitizer memcheck of a small case, and the benchmark.
 #   STAGES="build test memcheck bench" (default all); TEST_ARGS, BENCH_ARGS pass through.
 # Logs go to $OUT (or /tmp/mxint4_suite).

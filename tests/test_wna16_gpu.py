@@ -35,7 +35,7 @@ TOL = 1e-2
 # The reference rounds through reference.round_to_dtype (reduce_precision): on the GPU, XLA's
 # excess precision (on by default) drops astype(bf16).astype(f32) pairs inside fusions, which
 # left a reference built on them ~5e-3 off in bf16 even from kernels that round exactly where it
-# does (H100, stop 17: 4e-4 or less once the pairs were kept).
+# does (H100, 2026-11-24, commit d8f3247: 4e-4 or less once the pairs were kept).
 _round = reference.round_to_dtype
 
 

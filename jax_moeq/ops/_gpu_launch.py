@@ -235,7 +235,7 @@ def choose_fused_decode(requested: bool | None, *, one_token: bool, top_k: int, 
   process) it measured 27.2 us against the kernels' 23.1 us for WNA16 and 29.1 against 26.5 us
   for MxInt4 (docs/performance.md): its weights land in ~11 us (1.7 TB/s) and GEMM1's math trails
   them by another ~6 us. It stays available, tested, for the work that could make it win
-  (docs/gpu_notes.md, stop 16)."""
+  (docs/gpu_notes.md, "The fused decode kernel")."""
   if not requested:
     return False
   if not one_token:
