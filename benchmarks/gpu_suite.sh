@@ -104,7 +104,8 @@ fi
 
 if has trace; then
   # Per-kernel durations under ncu (benchmarks/layer_trace.py), one line of means per kernel, also
-  # in $OUT/trace.log; the raw CSVs go into one archive, $OUT/trace_csv.tgz. TRACE="op shape T; ..." (default: the small-expert decode shapes).
+  # in $OUT/trace.log; the raw CSVs go into one archive, $OUT/trace_csv.tgz.
+  # TRACE="op shape T; ..." (default: the small-expert decode shapes).
   raw=$(mktemp -d)
   IFS=';' read -ra specs <<<"${TRACE:-wna16 Qwen3-30B-A3B 1; wna16 Qwen3-30B-A3B 16; mxint4 Qwen3-30B-A3B 1; mxint4 Qwen3-30B-A3B 16}"
   for spec in "${specs[@]}"; do
