@@ -175,8 +175,15 @@ class MoECausalLM(nnx.Module):
     self.layers = nnx.List(layers)
     self.norm = RMSNorm(norm, cfg.rms_norm_eps, dtype)
     self.lm_head = None if lm_head is None else Weight(jnp.asarray(lm_head, dtype))
-    self.generation_config = dict(generation_config or {})
+    # Kept hashable: the attributes of an NNX module are part of its (static) graph definition.
+    self._generation_items = tuple(sorted(
+        (k, _frozen(v)) for k, v in (generation_config or {}).items()))
     self.quantization = quantization
+
+  @property
+  def generation_config(self) -> dict[str, Any]:
+    """`generation_config.json` as read (lists as tuples)."""
+    return dict(self._generation_items)
 
   def moe_backends(self) -> dict[str, str]:
     """{scheme: backend} of the MoE blocks ("float" for unquantized blocks)."""
@@ -234,6 +241,14 @@ class MoECausalLM(nnx.Module):
         new_v.append(kv[1])
     new_cache = None if cache is None else KVCache(tuple(new_k), tuple(new_v))
     return self._logits(x), new_cache
+
+
+def _frozen(value: Any) -> Any:
+  if isinstance(value, dict):
+    return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+  if isinstance(value, list):
+    return tuple(_frozen(v) for v in value)
+  return value
 
 
 def left_padding(attention_mask: Array) -> Array:

@@ -85,8 +85,8 @@ def _decode(graphdef, state, cache: KVCache, first: Array, pad: Array, rng, *, p
     return step + 1, tokens, cache, done, count, rng
 
   carry = (jnp.ones((), jnp.int32), tokens, cache, done, count, rng)
-  _, tokens, _, _, count, _ = jax.lax.while_loop(cond, body, carry)
-  return tokens, count
+  _, tokens, cache, _, count, _ = jax.lax.while_loop(cond, body, carry)
+  return tokens, count, cache  # the cache is returned so that its donated buffers are reused
 
 
 _PREFILL = jax.jit(_prefill, static_argnums=(0,),
@@ -202,7 +202,7 @@ def generate(model: MoECausalLM, input_ids, *, max_new_tokens: int, temperature:
   first, cache, rng = prefill(state, ids, pad, rng)
   first.block_until_ready()
   t2 = time.perf_counter()
-  tokens, count = decode(state, cache, first, pad, rng)
+  tokens, count, _ = decode(state, cache, first, pad, rng)
   tokens.block_until_ready()
   t3 = time.perf_counter()
   return GenerateOutput(tokens, count, compile_seconds, t2 - t1, t3 - t2)
