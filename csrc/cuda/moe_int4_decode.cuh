@@ -7,7 +7,7 @@
 // (JAX_MOEQ_DECODE_STOP_AFTER=1), GEMM1 ends at 18.7 us, the grid barrier at 19.9 us.
 //
 // Why: at one token the multi-kernel path is three to four short launches, each a chain of
-// dependent steps with few warps in flight (stop 15: 19-34 % of the copy rate at Qwen3 shapes).
+// dependent steps with few warps in flight (19-34 % of the copy rate at Qwen3 shapes, 2026-11-23).
 // Here one CTA per SM (cooperative launch, so every CTA is resident for the grid barrier) requests
 // *all* its weights, GEMM2's included, as soon as the token's experts are known:
 // the layer's weights stream as one burst while GEMM1 computes behind the arrivals, and GEMM2
