@@ -1,14 +1,19 @@
 """Reading and writing MoE expert weights in safetensors checkpoints.
 
-Per-expert tensors are named `{experts}.{e}.{proj}.{tensor}` with `{experts}` e.g.
-`model.layers.{L}.mlp.experts` (Qwen-MoE, OLMoE, DeepSeek: projections gate_proj/up_proj/down_proj)
-or `model.layers.{L}.block_sparse_moe.experts` (Mixtral: w1/w3/w2). They are stacked into
-`w13 [E, 2I, H]` (gate rows first, then up) and `w2 [E, H, I]`. A fused float layout
-`{experts}.gate_up_proj [E, H, 2I]` with gate/up interleaved along the last axis (GPT-OSS) and
-`{experts}.down_proj [E, I, H]` is converted to halves.
-
-The router (`{parent}.gate.weight [E, H]`, optional `{parent}.gate.e_score_correction_bias [E]`) is
-loaded when present. `safetensors` is imported lazily: it is only needed here.
+Expert tensors come in three storages (`ExpertsLayout.storage`), under `{experts}` e.g.
+`model.layers.{L}.mlp.experts` (Qwen-MoE, OLMoE, DeepSeek: gate_proj/up_proj/down_proj) or
+`model.layers.{L}.block_sparse_moe.experts` (Mixtral: w1/w3/w2):
+- per expert: `{experts}.{e}.{proj}.weight` (or the int4 tensors of `quantized`), 2-D each;
+- stacked: `{experts}.{proj}.weight[_packed]`, 3-D `[E, out, in(/8)]`, as compressed-tensors writes
+  a 3-D weight (each expert packed like a 2-D one; `weight_shape` is `[E, out, in]`);
+- fused: `{experts}.gate_up_proj` + `{experts}.down_proj`, either transformers 5's raw parameters
+  (`[E, 2I, H]` gate rows then up rows, `[E, H, I]`) or GPT-OSS's (`[E, H, 2I]` interleaved,
+  `[E, I, H]`), told apart by their shapes (or `fused_layout=`); or 3-D module weights
+  `{experts}.gate_up_proj.weight[_packed]` `[E, 2I, H(/8)]`.
+All are loaded as `w13 [E, 2I, H]` (gate rows first, then up) and `w2 [E, H, I]`. The router
+(`{parent}.gate.weight [E, H]`, optional `{parent}.gate.e_score_correction_bias [E]`) is loaded when
+present. Tensor files are read by `safetensors_io` (validated); `safetensors` itself is only
+needed to write.
 """
 
 from __future__ import annotations
@@ -21,28 +26,23 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from jax_moeq.loaders import int4_format
+from jax_moeq.loaders import int4_format, quantized
 from jax_moeq.loaders.config import (
-    CheckpointQuantConfig, MoEModelConfig, parse_model_config, parse_quantization_config,
-    read_config_json)
+    CheckpointQuantConfig, ConfigError, MissingFieldError, MoEModelConfig, parse_model_config,
+    parse_quantization_config, read_config_json)
 from jax_moeq.loaders.progress import Progress
+from jax_moeq.loaders.safetensors_io import INDEX_FILE, SafetensorsDir
 
-INDEX_FILE = "model.safetensors.index.json"
 PROJ_NAMES = {"gate_proj": ("gate_proj", "up_proj", "down_proj"), "w1": ("w1", "w3", "w2")}
-_EXPERT_KEY = re.compile(
-    r"^(?P<experts>.*?layers\.(?P<layer>\d+)\..*?experts)\.(?P<e>\d+)\."
-    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.")
-_FUSED_KEY = re.compile(r"^(?P<experts>.*?layers\.(?P<layer>\d+)\..*?experts)\.gate_up_proj$")
 
 
-def _safetensors():
+def _safetensors_numpy():
   try:
-    import safetensors.numpy  # noqa: F401
-    from safetensors import safe_open
+    import safetensors.numpy
   except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("reading/writing checkpoints needs `safetensors` "
+    raise ImportError("writing checkpoints needs `safetensors` "
                       "(pip install 'jax_moeq[checkpoints]')") from e
-  return safe_open, safetensors.numpy
+  return safetensors.numpy
 
 
 @dataclasses.dataclass
@@ -146,158 +146,187 @@ class MoECheckpoint:
   config_json: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-class SafetensorsDir:
-  """Name -> tensor access over a checkpoint directory's safetensors files (lazy, per tensor)."""
-
-  def __init__(self, path: str | Path):
-    safe_open, _ = _safetensors()
-    self._safe_open = safe_open
-    self.path = Path(path)
-    if self.path.is_file():
-      files = [self.path]
-    elif (self.path / INDEX_FILE).exists():
-      with open(self.path / INDEX_FILE) as f:
-        weight_map = json.load(f)["weight_map"]
-      files = sorted({self.path / v for v in weight_map.values()})
-    else:
-      files = sorted(self.path.glob("*.safetensors"))
-    if not files:
-      raise FileNotFoundError(f"no .safetensors files in {self.path}")
-    self._where: dict[str, Path] = {}
-    for file in files:
-      with safe_open(str(file), "numpy") as f:
-        for key in f.keys():
-          self._where[key] = file
-
-  def keys(self) -> list[str]:
-    return list(self._where)
-
-  def __contains__(self, name: str) -> bool:
-    return name in self._where
-
-  def get(self, name: str) -> np.ndarray:
-    if name not in self._where:
-      raise KeyError(f"tensor {name!r} is not in the checkpoint {self.path}")
-    with self._safe_open(str(self._where[name]), "numpy") as f:
-      return f.get_tensor(name)
-
-  def get_optional(self, name: str) -> np.ndarray | None:
-    return self.get(name) if name in self else None
+# ------------------------------------------------------------------ MoE layouts
+STORAGES = ("per_expert", "stacked", "fused")
+FUSED_LAYOUTS = ("auto", "concat", "interleaved")
+_PROJ = r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+# `{experts}` ends in a path segment that is exactly "experts" (not "shared_experts").
+_EXPERTS = r"(?P<experts>.*?layers\.(?P<layer>\d+)\.(?:.+\.)?experts)"
+_PER_EXPERT_KEY = re.compile(rf"^{_EXPERTS}\.(?P<e>\d+)\.{_PROJ}\.")
+_STACKED_KEY = re.compile(rf"^{_EXPERTS}\.{_PROJ}\.(?:weight|weight_packed)$")
+_FUSED_KEY = re.compile(rf"^{_EXPERTS}\.gate_up_proj(?P<module>\.weight|\.weight_packed)?$")
 
 
 @dataclasses.dataclass(frozen=True)
-class _ExpertsLayout:
-  experts: str  # key prefix up to and including ".experts"
-  projs: tuple[str, str, str] | None  # (gate, up, down) names; None for the fused layout
+class ExpertsLayout:
+  """How one MoE layer's experts are stored (found by `discover_moe_layers` from tensor names).
+
+  experts: the key prefix up to and including ".experts".
+  projs: (gate, up, down) projection names ("gate_proj", "up_proj", "down_proj", or Mixtral's
+    "w1", "w3", "w2"); ("gate_up_proj", None, "down_proj") for the fused storage.
+  num_experts: E, or -1 when only the tensors' shapes tell (stacked / fused, from names alone).
+  storage:
+    "per_expert": `{experts}.{e}.{proj}.{weight | weight_packed... | qweight...}`, 2-D each.
+    "stacked": `{experts}.{proj}.{weight | weight_packed...}` of shape [E, out, in(/8)]: one 3-D
+      tensor per projection (compressed-tensors packs each expert's [out, in] as a 2-D weight).
+    "fused": gate and up in one `{experts}.gate_up_proj` tensor: a raw float parameter as
+      transformers 5 holds it in memory ([E, 2I, H], gate rows then up rows, with
+      `down_proj [E, H, I]`) or as GPT-OSS stores it ([E, H, 2I] with gate/up interleaved along
+      the last axis, `down_proj [E, I, H]`); or a 3-D module weight `{experts}.gate_up_proj.weight`
+      / `.weight_packed` ([E, 2I, H(/8)], out-major like every compressed-tensors weight) with
+      `{experts}.down_proj.weight[_packed]`.
+  layer: the decoder layer index in the names.
+  """
+
+  experts: str
+  projs: tuple[str, str | None, str] | None
   num_experts: int
+  storage: str = "per_expert"
+  layer: int = -1
 
   @property
   def parent(self) -> str:
     return self.experts.rsplit(".", 1)[0]
 
 
-def discover_moe_layers(keys: Iterable[str]) -> dict[int, _ExpertsLayout]:
-  """Finds the MoE layers of a checkpoint from its tensor names."""
-  found: dict[int, dict[str, Any]] = {}
+_ExpertsLayout = ExpertsLayout  # the name before it was public
+
+
+def _classify(keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+  """experts prefix -> what its tensor names show."""
+  found: dict[str, dict[str, Any]] = {}
+
+  def entry(m: re.Match) -> dict[str, Any]:
+    return found.setdefault(m["experts"], {"layer": int(m["layer"]), "ids": set(),
+                                           "projs": set(), "stacked": set(), "fused": None})
   for key in keys:
-    m = _EXPERT_KEY.match(key)
+    m = _PER_EXPERT_KEY.match(key)
     if m:
-      d = found.setdefault(int(m["layer"]), {"experts": m["experts"], "ids": set(), "projs": set()})
-      if d["experts"] != m["experts"]:
-        raise ValueError(f"layer {m['layer']} has experts under two prefixes: {d['experts']!r} "
-                         f"and {m['experts']!r}")
+      d = entry(m)
       d["ids"].add(int(m["e"]))
       d["projs"].add(m["proj"])
       continue
+    m = _STACKED_KEY.match(key)
+    if m:
+      entry(m)["stacked"].add(m["proj"])
+      continue
     m = _FUSED_KEY.match(key)
     if m:
-      found[int(m["layer"])] = {"experts": m["experts"], "ids": None, "projs": None}
-  layouts = {}
-  for layer, d in sorted(found.items()):
-    if d["ids"] is None:
-      layouts[layer] = _ExpertsLayout(d["experts"], None, -1)
-      continue
+      entry(m)["fused"] = "module" if m["module"] else "raw"
+  return found
+
+
+def _naming(projs: set[str], where: str) -> tuple[str, str, str]:
+  styles = {"w1" if p in ("w1", "w2", "w3") else "gate_proj" for p in projs}
+  if len(styles) != 1:
+    raise ValueError(f"{where}: experts mix gate_proj/up_proj/down_proj and w1/w3/w2 names")
+  return PROJ_NAMES[styles.pop()]
+
+
+def _layout_of(experts: str, d: dict[str, Any], shapes: SafetensorsDir | None) -> ExpertsLayout:
+  kinds = [k for k, present in (("per_expert", d["ids"]), ("stacked", d["stacked"] - {"down_proj"}),
+                                ("fused", d["fused"])) if present]
+  if len(kinds) > 1:
+    raise ValueError(f"{experts}: experts are stored in two layouts at once "
+                     f"({' and '.join(kinds)})")
+  if not kinds and d["stacked"]:
+    raise ValueError(f"{experts}: has {sorted(d['stacked'])} 3-D expert tensors but no gate/up "
+                     "projection")
+  storage = kinds[0]
+  if storage == "per_expert":
     ids = sorted(d["ids"])
     if ids != list(range(len(ids))):
-      raise ValueError(f"layer {layer}: expert ids {ids[:8]}... are not 0..{len(ids) - 1}")
-    style = "w1" if "w1" in d["projs"] else "gate_proj"
-    layouts[layer] = _ExpertsLayout(d["experts"], PROJ_NAMES[style], len(ids))
-  return layouts
-
-
-# ------------------------------------------------------------------ per-projection readers
-def _trivial_g_idx(g_idx: np.ndarray, group_size: int) -> bool:
-  k = g_idx.shape[-1]
-  g = k if group_size == -1 else group_size
-  return bool(np.array_equal(g_idx, np.arange(k) // g))
-
-
-def _read_proj_compressed(ckpt: SafetensorsDir, p: str, qcfg: CheckpointQuantConfig):
-  packed = ckpt.get(f"{p}.weight_packed")
-  scale = ckpt.get(f"{p}.weight_scale")
-  if packed.dtype == np.uint8:
-    q = int4_format.unpack_signed_nibbles(packed)  # MxInt4 signed-nibble bytes [out, in/2]
-  elif packed.dtype in (np.int32, np.uint32):
-    q = int4_format.unpack_uint4b8(packed, axis=-1)  # [out, in/8] -> [out, in]
+      raise ValueError(f"{experts}: expert ids {ids[:8]}... are not 0..{len(ids) - 1}")
+    return ExpertsLayout(experts, _naming(d["projs"], experts), len(ids), storage, d["layer"])
+  if storage == "stacked":
+    projs = _naming(d["stacked"], experts)
+    first = f"{experts}.{projs[0]}.weight"
   else:
-    raise TypeError(f"{p}.weight_packed must be int32 (uint4b8) or uint8 (signed nibbles), got "
-                    f"{packed.dtype}")
-  shape = ckpt.get_optional(f"{p}.weight_shape")
-  if shape is not None:
-    out, k = (int(v) for v in np.asarray(shape).reshape(-1))
-    if q.shape[0] != out or q.shape[1] < k:
-      raise ValueError(f"{p}.weight_shape={[out, k]} does not match weight_packed {packed.shape}")
-    q = q[:, :k]
-  zp = ckpt.get_optional(f"{p}.weight_zero_point")
-  if zp is not None and np.any(zp != 0):
-    raise ValueError(f"{p}.weight_zero_point holds non-zero zero points: asymmetric int4 weights "
-                     "are not supported")
-  g_idx = ckpt.get_optional(f"{p}.weight_g_idx")
-  return q, scale, g_idx
+    projs = ("gate_up_proj", None, "down_proj")
+    first = f"{experts}.gate_up_proj" + ("" if d["fused"] == "raw" else ".weight")
+  num = -1
+  if shapes is not None:
+    name = first if first in shapes else first + "_packed"
+    if name in shapes and len(shapes.get_shape(name)) == 3:
+      num = shapes.get_shape(name)[0]
+  return ExpertsLayout(experts, projs, num, storage, d["layer"])
 
 
-def _read_proj_gptq(ckpt: SafetensorsDir, p: str, qcfg: CheckpointQuantConfig):
-  qweight = ckpt.get(f"{p}.qweight")  # [in/8, out]
-  q = int4_format.unpack_uint4b8(qweight, axis=0).T  # -> [out, in]
-  scale = ckpt.get(f"{p}.scales").T  # [in/g, out] -> [out, in/g]
-  qzeros = ckpt.get_optional(f"{p}.qzeros")
-  if qzeros is not None:
-    # Symmetric GPTQ stores zero 8 as 8 - 1 = 7 (v1) or 8 (gptq_v2) in every nibble.
-    want = 8 if qcfg.gptq_v2_zeros else 7
-    z = int4_format.unpack_uint4b8(qzeros, axis=-1) + 8
-    if np.any(z != want):
-      raise ValueError(f"{p}.qzeros holds zero points other than {want}: asymmetric GPTQ weights "
-                       "are not supported (sym must be true)")
-  g_idx = ckpt.get_optional(f"{p}.g_idx")
-  return np.ascontiguousarray(q), np.ascontiguousarray(scale), g_idx
+def discover_moe_layers(keys: Iterable[str] | SafetensorsDir) -> dict[int, ExpertsLayout]:
+  """Finds the MoE layers of a checkpoint from its tensor names -> {layer index: layout}.
+
+  Given a `SafetensorsDir` instead of names, stacked and fused layouts also get their expert
+  count from the tensors' shapes (no data is read).
+  """
+  shapes = keys if isinstance(keys, SafetensorsDir) else None
+  names = keys.keys() if shapes is not None else keys
+  layouts: dict[int, ExpertsLayout] = {}
+  for experts, d in _classify(names).items():
+    layout = _layout_of(experts, d, shapes)
+    other = layouts.get(layout.layer)
+    if other is not None:
+      raise ValueError(f"layer {layout.layer} has experts under two prefixes: {other.experts!r} "
+                       f"and {experts!r}")
+    layouts[layout.layer] = layout
+  return dict(sorted(layouts.items()))
 
 
-def _read_proj(ckpt: SafetensorsDir, p: str, qcfg: CheckpointQuantConfig):
-  """-> (weight [out, in] (int8 for int4), scale [out, G] | None, g_idx [in] | None, bias)."""
-  bias = ckpt.get_optional(f"{p}.bias")
-  if not qcfg.quantized:
-    return ckpt.get(f"{p}.weight"), None, None, bias
-  reader = _read_proj_gptq if qcfg.quant_method == "gptq" else _read_proj_compressed
-  q, scale, g_idx = reader(ckpt, p, qcfg)
-  out, k = q.shape
-  groups = 1 if qcfg.group_size == -1 else k // qcfg.group_size
-  if qcfg.group_size != -1 and k % qcfg.group_size:
-    raise ValueError(f"{p}: group_size={qcfg.group_size} does not divide the input size {k}")
-  if scale.shape != (out, groups):
-    raise ValueError(f"{p}: scales have shape {scale.shape}, expected {(out, groups)} for "
-                     f"group_size={qcfg.group_size}")
-  if qcfg.group_size == -1:
-    scale = scale.astype(np.float32)
-  if g_idx is not None:
-    g_idx = np.asarray(g_idx).astype(np.int32)
-    if g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= groups:
-      raise ValueError(f"{p}: g_idx must be [{k}] with groups in [0, {groups}), got shape "
-                       f"{g_idx.shape}")
-    if np.any(np.bincount(g_idx, minlength=groups) != k // groups):
-      raise ValueError(f"{p}: g_idx does not assign {k // groups} channels to every group")
-    if _trivial_g_idx(g_idx, qcfg.group_size):
-      g_idx = None
-  return q, scale, g_idx, bias
+def find_moe_layout(keys: Iterable[str] | SafetensorsDir, experts: str) -> ExpertsLayout:
+  """The layout of the experts under one prefix (e.g. "model.layers.3.mlp.experts")."""
+  shapes = keys if isinstance(keys, SafetensorsDir) else None
+  names = keys.keys() if shapes is not None else keys
+  experts = experts.rstrip(".")
+  found = _classify(n for n in names if n.startswith(experts + "."))
+  if experts not in found:
+    raise KeyError(f"no MoE expert tensors under {experts!r} (expected names like "
+                   f"'{experts}.0.gate_proj.weight', '{experts}.gate_up_proj' or "
+                   f"'{experts}.gate_proj.weight_packed')")
+  return _layout_of(experts, found[experts], shapes)
+
+
+# ------------------------------------------------------------------ MoE loading
+@dataclasses.dataclass
+class _Proj:
+  """One projection, float (`w`) or int4 (`w` int8 + scale/g_idx/group_size), [..., out, in]."""
+
+  w: np.ndarray
+  scale: np.ndarray | None = None
+  g_idx: np.ndarray | None = None
+  group_size: int | None = None
+  bias: np.ndarray | None = None
+
+
+def _read(ckpt: SafetensorsDir, prefix: str, qcfg: CheckpointQuantConfig) -> _Proj:
+  value, bias = quantized.read_projection(ckpt, prefix, qcfg)
+  if isinstance(value, quantized.Int4Projection):
+    return _Proj(value.q, value.scale, value.g_idx, value.group_size, bias)
+  return _Proj(value, bias=bias)
+
+
+def _same_kind(projs: list[_Proj], where: str) -> None:
+  kinds = {(p.w.dtype == np.int8, p.group_size) for p in projs}
+  if len(kinds) != 1:
+    raise ValueError(f"{where}: projections mix float and int4 (or group sizes): "
+                     f"{sorted(kinds, key=str)}")
+
+
+def _join_gate_up(gate: _Proj, up: _Proj, where: str) -> _Proj:
+  """gate and up [..., I, H] -> w13 [..., 2I, H] (gate rows first)."""
+  _same_kind([gate, up], where)
+  if gate.w.shape != up.w.shape:
+    raise ValueError(f"{where}: gate {gate.w.shape} and up {up.w.shape} differ in shape")
+  # gate and up read the same input, so act-order (a permutation of that input) must agree.
+  if (gate.g_idx is None) != (up.g_idx is None) or (
+      gate.g_idx is not None and not np.array_equal(gate.g_idx, up.g_idx)):
+    raise ValueError(f"{where}: gate and up g_idx differ; w13 needs one input order for both")
+  bias = None
+  if gate.bias is not None or up.bias is not None:
+    dt = (gate.bias if gate.bias is not None else up.bias).dtype
+    zeros = np.zeros(gate.w.shape[:-1], dt)
+    bias = np.concatenate([gate.bias if gate.bias is not None else zeros,
+                           up.bias if up.bias is not None else zeros], axis=-1)
+  scale = None if gate.scale is None else np.concatenate([gate.scale, up.scale], axis=-2)
+  return _Proj(np.concatenate([gate.w, up.w], axis=-2), scale, gate.g_idx, gate.group_size, bias)
 
 
 def _stack(parts: list[np.ndarray | None], what: str) -> np.ndarray | None:
@@ -309,84 +338,179 @@ def _stack(parts: list[np.ndarray | None], what: str) -> np.ndarray | None:
   return np.stack(parts)
 
 
-def load_moe_layer(ckpt: SafetensorsDir, layout: _ExpertsLayout,
-                   qcfg: CheckpointQuantConfig) -> MoELayerTensors:
-  """Reads and stacks one layer's experts (and its router when present)."""
-  router = ckpt.get_optional(f"{layout.parent}.gate.weight")
-  corr = ckpt.get_optional(f"{layout.parent}.gate.e_score_correction_bias")
-  if layout.projs is None:
-    return _load_fused_float(ckpt, layout, qcfg, router, corr)
-  gate_name, up_name, down_name = layout.projs
-  cols: dict[str, list] = {k: [] for k in ("w13", "s13", "g13", "b13", "w2", "s2", "g2", "b2")}
-  for e in range(layout.num_experts):
-    base = f"{layout.experts}.{e}"
-    wg, sg, gg, bg = _read_proj(ckpt, f"{base}.{gate_name}", qcfg)
-    wu, su, gu, bu = _read_proj(ckpt, f"{base}.{up_name}", qcfg)
-    wd, sd, gd, bd = _read_proj(ckpt, f"{base}.{down_name}", qcfg)
-    if wg.shape != wu.shape:
-      raise ValueError(f"{base}: {gate_name} {wg.shape} and {up_name} {wu.shape} differ in shape")
-    # gate and up read the same input, so act-order (a permutation of that input) must agree.
-    if (gg is None) != (gu is None) or (gg is not None and not np.array_equal(gg, gu)):
-      raise ValueError(f"{base}: {gate_name}.g_idx and {up_name}.g_idx differ; w13 needs one "
-                       "input order for gate and up")
-    cols["w13"].append(np.concatenate([wg, wu], axis=0))
-    cols["s13"].append(None if sg is None else np.concatenate([sg, su], axis=0))
-    cols["g13"].append(gg)
-    cols["b13"].append(None if bg is None and bu is None else np.concatenate(
-        [bg if bg is not None else np.zeros(wg.shape[0], bu.dtype),
-         bu if bu is not None else np.zeros(wu.shape[0], bg.dtype)]))
-    cols["w2"].append(wd)
-    cols["s2"].append(sd)
-    cols["g2"].append(gd)
-    cols["b2"].append(bd)
-  # Experts without act-order next to experts with it: give them the trivial order.
-  for key, k in (("g13", cols["w13"][0].shape[1]), ("g2", cols["w2"][0].shape[1])):
-    if any(g is not None for g in cols[key]):
-      g = k if qcfg.group_size == -1 else qcfg.group_size
-      cols[key] = [gi if gi is not None else (np.arange(k) // g).astype(np.int32)
-                   for gi in cols[key]]
-  return MoELayerTensors(
-      w13=np.stack(cols["w13"]), w2=np.stack(cols["w2"]),
-      w13_scale=_stack(cols["s13"], "w13 scale"), w2_scale=_stack(cols["s2"], "w2 scale"),
-      group_size=qcfg.group_size if qcfg.quantized else None,
-      w13_g_idx=_stack(cols["g13"], "w13 g_idx"), w2_g_idx=_stack(cols["g2"], "w2 g_idx"),
-      w13_bias=_stack(cols["b13"], "w13 bias"), w2_bias=_stack(cols["b2"], "w2 bias"),
-      router_weight=router, e_score_correction_bias=corr)
+def _stack_projs(projs: list[_Proj], where: str) -> _Proj:
+  """Per-expert projections -> one [E, ...] projection."""
+  _same_kind(projs, where)
+  g_idx = [p.g_idx for p in projs]
+  if any(g is not None for g in g_idx):
+    # Experts without act-order next to experts with it: give them the trivial order.
+    k, g = projs[0].w.shape[-1], projs[0].group_size
+    trivial = (np.arange(k) // (k if g == -1 else g)).astype(np.int32)
+    g_idx = [trivial if gi is None else gi for gi in g_idx]
+  return _Proj(np.stack([p.w for p in projs]), _stack([p.scale for p in projs], f"{where} scale"),
+               _stack(g_idx, f"{where} g_idx"), projs[0].group_size,
+               _stack([p.bias for p in projs], f"{where} bias"))
 
 
-def _load_fused_float(ckpt, layout, qcfg, router, corr) -> MoELayerTensors:
-  if qcfg.quantized:
-    raise ValueError(f"{layout.experts}.gate_up_proj: the fused interleaved gate/up layout is "
-                     "supported for float checkpoints only")
-  gate_up = ckpt.get(f"{layout.experts}.gate_up_proj")  # [E, H, 2I], gate/up interleaved
-  down = ckpt.get(f"{layout.experts}.down_proj")  # [E, I, H]
-  w13 = int4_format.deinterleave_gate_up(gate_up, axis=-1).transpose(0, 2, 1)
-  b13 = ckpt.get_optional(f"{layout.experts}.gate_up_proj_bias")
-  if b13 is not None:
-    b13 = int4_format.deinterleave_gate_up(b13, axis=-1)
-  return MoELayerTensors(
-      w13=np.ascontiguousarray(w13), w2=np.ascontiguousarray(down.transpose(0, 2, 1)),
-      w13_bias=b13, w2_bias=ckpt.get_optional(f"{layout.experts}.down_proj_bias"),
-      router_weight=router, e_score_correction_bias=corr)
+def _deinterleave_rows(p: _Proj) -> _Proj:
+  """gate/up alternating along the output rows -> halves (the act order is per input: kept)."""
+  rows = lambda a: None if a is None else int4_format.deinterleave_gate_up(a, axis=-2)
+  bias = None if p.bias is None else int4_format.deinterleave_gate_up(p.bias, axis=-1)
+  return _Proj(rows(p.w), rows(p.scale), p.g_idx, p.group_size, bias)
+
+
+def _fused_orientation(gu: tuple[int, ...], down: tuple[int, ...], fused_layout: str,
+                       hidden: int | None, inter: int | None, where: str) -> str:
+  """"concat" ([E, 2I, H] + down [E, H, I]) or "interleaved" ([E, H, 2I] + down [E, I, H])."""
+  if len(gu) != 3 or len(down) != 3 or gu[0] != down[0]:
+    raise ValueError(f"{where}: gate_up_proj {list(gu)} and down_proj {list(down)} are not 3-D "
+                     "tensors over the same experts")
+  a, b, c, d = gu[1], gu[2], down[1], down[2]
+  ok = {"concat": a == 2 * d and b == c, "interleaved": b == 2 * c and a == d}
+  if hidden is not None and inter is not None:
+    ok["concat"] &= (a, b) == (2 * inter, hidden)
+    ok["interleaved"] &= (a, b) == (hidden, 2 * inter)
+  want = {"concat": "gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]",
+          "interleaved": "gate_up_proj [E, H, 2I] (gate/up interleaved) and down_proj [E, I, H]"}
+  sizes = "" if hidden is None else f" with H={hidden}, I={inter}"
+  if fused_layout != "auto":
+    if not ok[fused_layout]:
+      raise ValueError(f"{where}: fused_layout={fused_layout!r} needs {want[fused_layout]}"
+                       f"{sizes}; got gate_up_proj {list(gu)}, down_proj {list(down)}")
+    return fused_layout
+  fits = [k for k, v in ok.items() if v]
+  if len(fits) != 1:
+    raise ValueError(f"{where}: gate_up_proj {list(gu)} and down_proj {list(down)} fit "
+                     f"{'both' if fits else 'neither'} of {want['concat']} and "
+                     f"{want['interleaved']}{sizes}; pass fused_layout= (and hidden_size, "
+                     "intermediate_size)")
+  return fits[0]
+
+
+def _load_fused(ckpt: SafetensorsDir, layout: ExpertsLayout, qcfg: CheckpointQuantConfig,
+                fused_layout: str, hidden: int | None, inter: int | None) -> tuple[_Proj, _Proj]:
+  ex = layout.experts
+  if f"{ex}.gate_up_proj" in ckpt:  # raw parameters (float)
+    gu_shape, down_shape = ckpt.get_shape(f"{ex}.gate_up_proj"), ckpt.get_shape(f"{ex}.down_proj")
+    orient = _fused_orientation(gu_shape, down_shape, fused_layout, hidden, inter, ex)
+    w13 = _float(ckpt, f"{ex}.gate_up_proj")
+    w2 = _float(ckpt, f"{ex}.down_proj")
+    b13 = _optional_float(ckpt, f"{ex}.gate_up_proj_bias")
+    b2 = _optional_float(ckpt, f"{ex}.down_proj_bias")
+    if orient == "interleaved":
+      w13 = int4_format.deinterleave_gate_up(w13, axis=-1).transpose(0, 2, 1)
+      w2 = w2.transpose(0, 2, 1)
+      if b13 is not None:
+        b13 = int4_format.deinterleave_gate_up(b13, axis=-1)
+    for name, b, shape in (("gate_up_proj_bias", b13, w13.shape[:2]),
+                           ("down_proj_bias", b2, w2.shape[:2])):
+      if b is not None and b.shape != shape:
+        raise ValueError(f"{ckpt.where(f'{ex}.{name}')} has shape {b.shape}, expected {shape}")
+    return (_Proj(np.ascontiguousarray(w13), bias=b13),
+            _Proj(np.ascontiguousarray(w2), bias=b2))
+  w13 = _read(ckpt, f"{ex}.gate_up_proj", qcfg)  # module weights: [E, 2I, H] out-major
+  w2 = _read(ckpt, f"{ex}.down_proj", qcfg)
+  if w13.w.ndim != 3 or w2.w.ndim != 3:
+    raise ValueError(f"{ex}: fused gate_up_proj {w13.w.shape} / down_proj {w2.w.shape} must be "
+                     "3-D [E, out, in]")
+  if fused_layout == "interleaved":
+    w13 = _deinterleave_rows(w13)
+  return w13, w2
+
+
+def _float(ckpt: SafetensorsDir, name: str) -> np.ndarray:
+  a = ckpt.get(name)
+  if not quantized.is_float_dtype(a.dtype):
+    raise ValueError(f"{ckpt.where(name)} has dtype {a.dtype}; a raw fused expert tensor must be "
+                     "floating point (int4 fused experts are stored as .weight_packed)")
+  return a
+
+
+def _optional_float(ckpt: SafetensorsDir, name: str) -> np.ndarray | None:
+  return _float(ckpt, name) if name in ckpt else None
+
+
+def load_moe_layer(ckpt: SafetensorsDir, layout: ExpertsLayout | str,
+                   qcfg: CheckpointQuantConfig, *, fused_layout: str = "auto",
+                   hidden_size: int | None = None,
+                   intermediate_size: int | None = None) -> MoELayerTensors:
+  """Reads one layer's experts (and its router when present) as `MoELayerTensors`.
+
+  Args:
+    ckpt: the checkpoint.
+    layout: from `discover_moe_layers` / `find_moe_layout`, or the experts prefix itself
+      (e.g. "model.layers.3.mlp.experts").
+    qcfg: the checkpoint's quantization config; each projection's storage (float, compressed-tensors
+      or GPTQ) is read from its tensors and must agree with it.
+    fused_layout: for `gate_up_proj` storage: "auto" (decide from the shapes of gate_up_proj and
+      down_proj, and `hidden_size`/`intermediate_size` when given), "concat" (gate rows, then up
+      rows: transformers 5) or "interleaved" (gate/up alternating: GPT-OSS).
+    hidden_size, intermediate_size: H and I from config.json; when given, the layer must have them.
+  """
+  if fused_layout not in FUSED_LAYOUTS:
+    raise ValueError(f"fused_layout={fused_layout!r} is not one of {FUSED_LAYOUTS}")
+  if isinstance(layout, str):
+    layout = find_moe_layout(ckpt, layout)
+  ex = layout.experts
+  if layout.storage == "fused":
+    w13, w2 = _load_fused(ckpt, layout, qcfg, fused_layout, hidden_size, intermediate_size)
+  elif layout.storage == "stacked":
+    gate, up, down = (_read(ckpt, f"{ex}.{p}", qcfg) for p in layout.projs)
+    w13, w2 = _join_gate_up(gate, up, ex), down
+  elif layout.storage == "per_expert":
+    if layout.num_experts < 1:
+      raise ValueError(f"{ex}: no experts")
+    gate_name, up_name, down_name = layout.projs
+    w13s, w2s = [], []
+    for e in range(layout.num_experts):
+      base = f"{ex}.{e}"
+      gate, up, down = (_read(ckpt, f"{base}.{p}", qcfg) for p in layout.projs)
+      w13s.append(_join_gate_up(gate, up, base))
+      w2s.append(down)
+    w13, w2 = _stack_projs(w13s, f"{ex} w13"), _stack_projs(w2s, f"{ex} w2")
+  else:
+    raise ValueError(f"{ex}: unknown storage {layout.storage!r} (one of {STORAGES})")
+  if w13.w.ndim != 3 or w2.w.ndim != 3:
+    raise ValueError(f"{ex}: expert weights must be 3-D [E, out, in], got w13 {w13.w.shape}, "
+                     f"w2 {w2.w.shape}")
+  _same_kind([w13, w2], ex)
+  e, i2, h = w13.w.shape
+  if hidden_size is not None and intermediate_size is not None and (
+      (i2, h) != (2 * intermediate_size, hidden_size)):
+    raise ValueError(f"{ex}: experts have H={h}, I={i2 // 2}; expected H={hidden_size}, "
+                     f"I={intermediate_size}")
+  try:
+    return MoELayerTensors(
+        w13=w13.w, w2=w2.w, w13_scale=w13.scale, w2_scale=w2.scale, group_size=w13.group_size,
+        w13_g_idx=w13.g_idx, w2_g_idx=w2.g_idx, w13_bias=w13.bias, w2_bias=w2.bias,
+        router_weight=ckpt.get_optional(f"{layout.parent}.gate.weight"),
+        e_score_correction_bias=ckpt.get_optional(
+            f"{layout.parent}.gate.e_score_correction_bias"))
+  except ValueError as err:
+    raise ValueError(f"{ex}: {err}") from None
 
 
 def load_moe_checkpoint(path: str | Path, *, layers: Iterable[int] | None = None,
-                        show_progress: bool = True) -> MoECheckpoint:
+                        fused_layout: str = "auto", show_progress: bool = True) -> MoECheckpoint:
   """Loads every MoE layer (or `layers`) of a safetensors checkpoint directory.
 
-  Reads `config.json` (model shape and `quantization_config`), finds the per-expert tensors, and
-  stacks them into `MoELayerTensors` (host numpy). Unsupported quantization configs raise
-  ValueError naming the field.
+  Reads `config.json` (model shape and `quantization_config`), finds the expert tensors, and
+  stacks them into `MoELayerTensors` (host numpy). Unsupported or malformed configs raise
+  `ConfigError` (a ValueError) naming the file and the field; `fused_layout` as in
+  `load_moe_layer`.
   """
   path = Path(path)
-  cfg_json = read_config_json(path) if (path / "config.json").exists() else {}
-  qcfg = parse_quantization_config(cfg_json.get("quantization_config"))
+  cfg_path = path / "config.json"
+  cfg_json = read_config_json(path) if cfg_path.exists() else {}
   try:
+    qcfg = parse_quantization_config(cfg_json.get("quantization_config"))
     model_cfg = parse_model_config(cfg_json) if cfg_json else None
-  except ValueError:
+  except MissingFieldError:
     model_cfg = None  # not an MoE config.json we know; the tensors still load
+  except ConfigError as e:
+    raise ConfigError(f"{cfg_path}: {e}") from None
   ckpt = SafetensorsDir(path)
-  layouts = discover_moe_layers(ckpt.keys())
+  layouts = discover_moe_layers(ckpt)
   if not layouts:
     raise ValueError(f"{path}: found no MoE expert tensors (expected names like "
                      "'model.layers.0.mlp.experts.0.gate_proj.weight')")
@@ -394,10 +518,13 @@ def load_moe_checkpoint(path: str | Path, *, layers: Iterable[int] | None = None
   missing = [l for l in wanted if l not in layouts]
   if missing:
     raise ValueError(f"layers {missing} have no MoE experts in {path} (found {sorted(layouts)})")
+  sizes = {}
+  if model_cfg is not None:
+    sizes = dict(hidden_size=model_cfg.hidden_size, intermediate_size=model_cfg.intermediate_size)
   out = {}
   with Progress(len(wanted), "loading MoE layers", enabled=show_progress) as bar:
     for layer in wanted:
-      out[layer] = load_moe_layer(ckpt, layouts[layer], qcfg)
+      out[layer] = load_moe_layer(ckpt, layouts[layer], qcfg, fused_layout=fused_layout, **sizes)
       bar.update(note=f"layer {layer}")
   return MoECheckpoint(model_cfg, qcfg, out, cfg_json)
 
@@ -407,7 +534,8 @@ WRITE_FORMATS = ("float", "compressed-tensors", "gptq", "mxint4")
 
 
 def _proj_tensors(prefix: str, w: np.ndarray, scale: np.ndarray | None, g_idx: np.ndarray | None,
-                  bias: np.ndarray | None, fmt: str, group_size: int | None) -> dict[str, np.ndarray]:
+                  bias: np.ndarray | None, fmt: str,
+                  group_size: int | None) -> dict[str, np.ndarray]:
   out: dict[str, np.ndarray] = {}
   if fmt == "float":
     out[f"{prefix}.weight"] = np.ascontiguousarray(w)
@@ -499,7 +627,8 @@ def save_moe_checkpoint(path: str | Path, layers: Mapping[int, MoELayerTensors],
                         fmt: str | None = None, model_config: MoEModelConfig | None = None,
                         activation_bits: int | None = None,
                         experts_prefix: str = "model.layers.{layer}.mlp.experts",
-                        naming: str = "gate_proj", extra_tensors: Mapping[str, np.ndarray] | None = None,
+                        naming: str = "gate_proj",
+                        extra_tensors: Mapping[str, np.ndarray] | None = None,
                         extra_config: Mapping[str, Any] | None = None,
                         max_shard_bytes: int = 2 << 30, show_progress: bool = True) -> Path:
   """Writes MoE layers as a safetensors checkpoint directory with `config.json`.
@@ -516,7 +645,7 @@ def save_moe_checkpoint(path: str | Path, layers: Mapping[int, MoELayerTensors],
     extra_config: more config.json fields (e.g. attention sizes of the example model).
     max_shard_bytes: files are split above this size, with a `model.safetensors.index.json`.
   """
-  _, st_numpy = _safetensors()
+  st_numpy = _safetensors_numpy()
   if not layers:
     raise ValueError("layers is empty: nothing to write")
   kinds = {l.quantized for l in layers.values()}

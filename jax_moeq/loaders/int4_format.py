@@ -19,7 +19,8 @@ def _check_int4(q: np.ndarray, name: str) -> None:
   if q.dtype != np.int8:
     raise TypeError(f"{name} must be int8 holding int4 values, got {q.dtype}")
   if q.size and (q.min() < INT4_MIN or q.max() > INT4_MAX):
-    raise ValueError(f"{name} holds values in [{q.min()}, {q.max()}], outside the int4 range [-8, 7]")
+    raise ValueError(f"{name} holds values in [{q.min()}, {q.max()}], outside the int4 range "
+                     "[-8, 7]")
 
 
 def pack_uint4b8(q: np.ndarray, axis: int = -1) -> np.ndarray:
