@@ -18,6 +18,13 @@ transformers = pytest.importorskip("transformers",
                                    reason="the interop tests need transformers (test extras)")
 
 VOCAB = 512
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Float32 comparisons need float32 GEMMs (a GPU would otherwise use TF32)."""
+  with jax.default_matmul_precision("float32"):
+    yield
 # Float32 end to end on both sides: only summation order differs (measured ~5e-7).
 FLOAT_RTOL = 1e-3
 
@@ -76,7 +83,7 @@ def _hf_logits(hf, ids, mask=None):
 @pytest.mark.parametrize("name", list(_configs()))
 def test_float_logits_match_transformers(checkpoints, name):
   path, hf = checkpoints[name]
-  model = models.from_pretrained(path, show_progress=False)
+  model = models.from_pretrained(path, dtype=jnp.float32, show_progress=False)
   assert model.dtype == jnp.float32 and model.moe_backends() == {"float": model.moe_backends()[
       "float"]}
   ids = np.random.default_rng(0).integers(0, VOCAB, (2, 13))
@@ -89,7 +96,7 @@ def test_float_logits_match_transformers(checkpoints, name):
 
 def test_left_padded_logits_match_transformers(checkpoints):
   path, hf = checkpoints["qwen3_moe"]
-  model = models.from_pretrained(path, show_progress=False)
+  model = models.from_pretrained(path, dtype=jnp.float32, show_progress=False)
   ids = np.random.default_rng(1).integers(0, VOCAB, (2, 9))
   mask = np.ones_like(ids)
   mask[1, :4] = 0
@@ -103,7 +110,7 @@ def test_left_padded_logits_match_transformers(checkpoints):
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
 def test_greedy_generation_matches_transformers(checkpoints, name):
   path, hf = checkpoints[name]
-  model = models.from_pretrained(path, show_progress=False)
+  model = models.from_pretrained(path, dtype=jnp.float32, show_progress=False)
   rng = np.random.default_rng(2)
   prompts = [rng.integers(6, VOCAB, 9).tolist(), rng.integers(6, VOCAB, 4).tolist()]
   out = models.generate(model, prompts, max_new_tokens=10, eos_token_id=[])
@@ -121,7 +128,7 @@ def test_greedy_generation_matches_transformers(checkpoints, name):
 
 def test_generation_stops_at_eos_per_row(checkpoints):
   path, _ = checkpoints["qwen3_moe"]
-  model = models.from_pretrained(path, show_progress=False)
+  model = models.from_pretrained(path, dtype=jnp.float32, show_progress=False)
   prompts = [[7, 8, 9, 10], [11, 12, 13, 14]]
   free = np.asarray(models.generate(model, prompts, max_new_tokens=8, eos_token_id=[]).tokens)
   # Make a token that only row 0 produces, at its first occurrence j, the EOS: row 0 stops
@@ -139,7 +146,7 @@ def test_generation_stops_at_eos_per_row(checkpoints):
 
 def test_sampling_is_seeded_and_stays_in_the_nucleus(checkpoints):
   path, _ = checkpoints["mixtral"]
-  model = models.from_pretrained(path, show_progress=False)
+  model = models.from_pretrained(path, dtype=jnp.float32, show_progress=False)
   prompts = [[7, 8, 9], [10, 11, 12]]
   kw = dict(max_new_tokens=6, temperature=0.7, top_p=0.5, eos_token_id=[])
   a = models.generate(model, prompts, rng=jax.random.key(1), **kw).tokens
@@ -166,8 +173,8 @@ def test_quantized_on_load_stays_close_to_float(checkpoints, quantization, backe
   path, hf = checkpoints["qwen3_moe"]
   if jax.default_backend() != "cpu":
     pytest.skip("backend expectations are the CPU's")
-  model = models.from_pretrained(path, quantization=quantization, group_size=32,
-                                 show_progress=False)
+  model = models.from_pretrained(path, dtype=jnp.float32, quantization=quantization,
+                                 group_size=32, show_progress=False)
   assert model.moe_backends() == {quantization: backend}
   ids = np.random.default_rng(3).integers(0, VOCAB, (2, 8))
   want = _hf_logits(hf, ids)
@@ -237,6 +244,8 @@ def test_bad_checkpoints_raise_naming_the_tensor(checkpoints, tmp_path):
                            show_progress=False)
   with pytest.raises(ValueError, match="quantization='int3'"):
     models.from_pretrained(src, quantization="int3", show_progress=False)
+  with pytest.raises(ValueError, match="group_size is only used"):
+    models.from_pretrained(src, group_size=32, show_progress=False)
   truncated = tmp_path / "truncated"
   truncated.mkdir()
   (truncated / "config.json").write_text(json.dumps(config))
@@ -249,7 +258,7 @@ def test_bad_checkpoints_raise_naming_the_tensor(checkpoints, tmp_path):
 
 def test_generate_rejects_bad_input(checkpoints):
   path, _ = checkpoints["olmoe"]
-  model = models.from_pretrained(path, show_progress=False)
+  model = models.from_pretrained(path, dtype=jnp.float32, show_progress=False)
   with pytest.raises(ValueError, match="outside the vocabulary"):
     models.generate(model, [[1, VOCAB]], max_new_tokens=2)
   with pytest.raises(ValueError, match="left padding"):
@@ -280,3 +289,25 @@ def test_cli_prints_backends_and_rates(checkpoints, capsys):
   text = capsys.readouterr().out
   assert "MoE backend (w4a8_int8)" in text and "time to first token" in text
   assert "tok/s" in text and len(out["ids"]) >= 1
+
+
+@pytest.mark.parametrize("quantization", ["wna16", "mxint4"])
+def test_gpu_int4_kernels_match_their_reference_in_a_model(checkpoints, quantization):
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU (the WNA16 / MxInt4 kernels run on Hopper)")
+  from jax_moeq.ops.wna16_gpu import wna16_gpu_available
+  if not wna16_gpu_available():
+    pytest.skip("our CUDA library is not built or the GPU is below compute capability 9.0")
+  path, _ = checkpoints["qwen3_moe"]
+  kw = dict(dtype=jnp.bfloat16, quantization=quantization, show_progress=False)
+  fast = models.from_pretrained(path, **kw)
+  ref = models.from_pretrained(path, moe_backend="reference", **kw)
+  assert fast.moe_backends()[quantization] != "reference"
+  ids = np.random.default_rng(4).integers(0, VOCAB, (2, 12))
+  got = np.asarray(fast(jnp.asarray(ids, jnp.int32)))
+  want = np.asarray(ref(jnp.asarray(ids, jnp.int32)))
+  # bf16 activations: the kernels round at the reference's points; rare one-ulp flips through
+  # two layers stay well under 1e-2 (SPEC §9).
+  assert _rel(got, want) <= 1e-2
+  out = models.generate(fast, [[7, 8, 9], [10, 11]], max_new_tokens=6)
+  assert np.asarray(out.tokens).shape == (2, 6)

@@ -21,6 +21,13 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 VOCAB = 256
 EXPERT_KEYS = ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Float32 comparisons need float32 GEMMs (a GPU would otherwise use TF32)."""
+  with jax.default_matmul_precision("float32"):
+    yield
 ATTENTION_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -143,7 +150,7 @@ def _ct_checkpoint(path, group: int, activations: bool, seed: int):
 @pytest.mark.parametrize("group", [32, 128])
 def test_compressed_tensors_w4a16_matches_transformers_dequantized(tmp_path, group):
   hf, dequantized = _ct_checkpoint(tmp_path / "ckpt", group, activations=False, seed=group)
-  model = models.from_pretrained(tmp_path / "ckpt", show_progress=False)
+  model = models.from_pretrained(tmp_path / "ckpt", dtype=jnp.float32, show_progress=False)
   # W4A16 on the CPU: no weight-only int4 kernel, so the jnp reference (the exact dequantized
   # arithmetic in float32).
   assert model.moe_backends() == {"wna16": "reference" if jax.default_backend() == "cpu"
@@ -159,9 +166,9 @@ def test_compressed_tensors_w4a16_matches_transformers_dequantized(tmp_path, gro
 @pytest.mark.parametrize("group", [32, 128])
 def test_compressed_tensors_w4a8_runs_on_the_w4a8_scheme(tmp_path, group):
   hf, dequantized = _ct_checkpoint(tmp_path / "ckpt", group, activations=True, seed=group + 1)
-  model = models.from_pretrained(tmp_path / "ckpt", show_progress=False)
+  model = models.from_pretrained(tmp_path / "ckpt", dtype=jnp.float32, show_progress=False)
   reference = models.from_pretrained(tmp_path / "ckpt", moe_backend="reference",
-                                     show_progress=False)
+                                     dtype=jnp.float32, show_progress=False)
   assert set(model.moe_backends()) == {"w4a8_int8"}
   if jax.default_backend() == "cpu":
     assert model.moe_backends() == {"w4a8_int8": "cpu_int4"}
@@ -226,7 +233,7 @@ def _gptq_checkpoint(path, group: int, desc_act: bool, seed: int):
 @pytest.mark.parametrize("desc_act", [False, True])
 def test_gptq_matches_transformers_dequantized(tmp_path, desc_act):
   hf, dequantized = _gptq_checkpoint(tmp_path / "ckpt", 32, desc_act, seed=7 + desc_act)
-  model = models.from_pretrained(tmp_path / "ckpt", show_progress=False)
+  model = models.from_pretrained(tmp_path / "ckpt", dtype=jnp.float32, show_progress=False)
   assert set(model.moe_backends()) == {"wna16"}
   ids = np.random.default_rng(2).integers(0, VOCAB, (2, 10))
   want = _hf_logits(hf, dequantized, ids)
@@ -237,6 +244,6 @@ def test_gptq_matches_transformers_dequantized(tmp_path, desc_act):
   # On the CPU W4A8 kernel (activation quantization allowed), within int8 activation noise.
   if jax.default_backend() == "cpu" and not desc_act:
     fast = models.from_pretrained(tmp_path / "ckpt", quantization="w4a8_int8",
-                                  show_progress=False)
+                                  dtype=jnp.float32, show_progress=False)
     assert fast.moe_backends() == {"wna16": "cpu_int4"}
     assert _rel(_logits(fast, ids), want) < 5e-2
