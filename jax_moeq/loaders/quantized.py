@@ -13,8 +13,8 @@ gates float):
   every nibble 7, or 8 for gptq_v2), `{prefix}.scales [groups, out]`, optional `{prefix}.g_idx
   [in]` (act-order / desc_act: the group of each input channel).
 `{prefix}.bias` is read when present. Dequantization is `w[o, k] = q[o, k] * scale[o, g_idx[k]]`
-with `g_idx[k] = k // g` when absent; it is exact in float32 (a 4-bit integer times a scale of at
-most 24 significant bits), and rounded once to the requested dtype.
+with `g_idx[k] = k // g` when absent, formed exactly and rounded once to the requested dtype (see
+`dequantize_int4`).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ def dequantize_int4(q: np.ndarray, scale: np.ndarray, group_size: int, *,
                     g_idx: np.ndarray | None = None, dtype=np.float32) -> np.ndarray:
   """`q [..., out, in]` int4-as-int8 times `scale [..., out, G]` -> `[..., out, in]` in `dtype`.
 
-  Computed exactly in float32 (|q| <= 8 has 4 significant bits, scales at most 24), then rounded
-  once to `dtype`. `g_idx [..., in]` gives each input channel's group (act-order); default
-  `k // group_size` (every channel in group 0 for channel-wise, group_size -1).
+  The product is formed exactly and rounded once to `dtype`: in float32 when the scales have at
+  most 11 significant bits (bf16, fp16: |q| <= 8 adds 4), else (float32 scales) in float64.
+  `g_idx [..., in]` gives each input channel's group (act-order); default `k // group_size`
+  (every channel in group 0 for channel-wise, group_size -1).
   """
   q = np.asarray(q)
   scale = np.asarray(scale)
@@ -74,13 +75,14 @@ def dequantize_int4(q: np.ndarray, scale: np.ndarray, group_size: int, *,
   g_idx = np.asarray(g_idx)
   if scale.shape[:-1] != q.shape[:-1] or g_idx.shape[-1] != k:
     raise ValueError(f"scale {scale.shape} / g_idx {g_idx.shape} do not fit q {q.shape}")
-  s32 = scale.astype(np.float32)
+  exact = np.float32 if scale.dtype.itemsize <= 2 else np.float64
+  s = scale.astype(exact)
   if g_idx.ndim == 1:
-    per_channel = np.take(s32, g_idx, axis=-1)
+    per_channel = np.take(s, g_idx, axis=-1)
   else:  # one order per leading index (e.g. per expert): [..., in] -> [..., 1, in]
-    per_channel = np.take_along_axis(s32, np.expand_dims(g_idx, -2).astype(np.intp), axis=-1)
-  w = q.astype(np.float32) * per_channel
-  return w if np.dtype(dtype) == np.float32 else w.astype(dtype)
+    per_channel = np.take_along_axis(s, np.expand_dims(g_idx, -2).astype(np.intp), axis=-1)
+  w = q.astype(exact) * per_channel
+  return w if w.dtype == np.dtype(dtype) else w.astype(dtype)
 
 
 def storage_format(ckpt: SafetensorsDir, prefix: str) -> str:
