@@ -1,6 +1,7 @@
 """The examples, run in-process with tiny settings."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -8,6 +9,9 @@ import numpy as np
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY_QWEN3_MOE = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
+                  "--head-dim", "32", "--experts", "8", "--top-k", "2", "--moe-intermediate", "64",
+                  "--vocab", "256"]
 
 
 def _load(name):
@@ -18,37 +22,67 @@ def _load(name):
   return module
 
 
-def test_moe_lm_inference_tiny(capsys):
-  lm = _load("moe_lm_inference")
-  out = lm.main(["--steps", "3", "--batch", "2", "--prompt-len", "5", "--layers", "2",
-                 "--hidden", "128", "--heads", "2", "--experts", "8", "--intermediate", "64",
-                 "--vocab", "64", "--group-size", "32", "--repeats", "1", "--dtype", "float32"])
+def test_generate_qwen3_moe_tiny(tmp_path, capsys):
+  example = _load("generate_qwen3_moe")
+  out = example.main(TINY_QWEN3_MOE + ["--out", str(tmp_path / "ckpt"), "--batch", "2",
+                                       "--prompt-len", "6", "--max-new-tokens", "4",
+                                       "--repeats", "1"])
   text = capsys.readouterr().out
-  assert "decode tok/s" in text and "quantized vs float" in text
-  assert out["backends"] == ["cpu_int4"]
-  for run in (out["float"], out["quantized"]):
-    assert run["tokens"].shape == (2, 3) and run["decode_tok_s"] > 0
-    assert np.isfinite(np.asarray(run["logits"])).all()
-  # Quantized MoE blocks perturb the logits by int4 noise, not more: each MoE GEMM carries ~10 %
-  # relative weight noise (RTN int4, SPEC §9); through 2 layers with residuals the prompt logits
-  # move well under 50 % (measured ~20 %), and far from 0 (the blocks really were replaced).
-  assert 1e-3 < out["rel_diff"] < 0.5
+  assert "int4 decode speed-up" in text and "argmax agreement" in text
+  assert out["backends"]["w4a8_int8"] == "cpu_int4" and "float" in out["backends"]
+  for name in ("float", "w4a8_int8"):
+    run = out[name]
+    assert run["tokens"].shape == (2, 4)
+    for key in ("decode_tok_s", "prefill_tok_s"):
+      assert np.isfinite(run[key]) and run[key] > 0
+  assert np.isfinite(out["speedup"]) and out["speedup"] > 0
+  # Int4 experts perturb the logits by int4 noise, not more. Round-to-nearest int4 with a per-group
+  # absmax scale (groups of 64 normal weights: absmax ~2.5 sigma, step ~0.36 sigma) leaves ~10 %
+  # rms relative error per expert GEMM, ~15 % through both; the logits see it only through the
+  # MoE blocks' share of the residual stream, so they move well under 15 % (measured 1.5-3 %), and
+  # clearly above 0 (the blocks really were replaced).
+  assert 1e-3 < out["rel_frobenius"] < 0.15
+  assert out["argmax_agreement"] >= 0.5  # 12 positions; measured 92-100 %
 
 
-def test_moe_lm_jit_of_whole_model_matches_eager():
-  """The jitted prefill of the whole model equals the model run eagerly (same ops, f32)."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  lm = _load("moe_lm_inference")
-  cfg = lm.LMConfig(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, head_dim=64,
-                    num_experts=8, top_k=2, intermediate_size=64, max_len=8, dtype="float32")
-  model = lm.quantize_model(lm.MoELM(cfg, nnx.Rngs(3)), scheme="w4a8_int8", group_size=32)
-  prompt = jax.random.randint(jax.random.key(0), (2, 6), 0, 64, jnp.int32)
-  eager, _ = model(prompt, model.init_cache(2), 0)
-  state, prefill, _ = lm.make_generate(model, steps=1)
-  jitted, _ = prefill(state, prompt)
-  np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-4, atol=1e-4)
+def test_qwen3_moe_checkpoint_layout(tmp_path):
+  """The written checkpoint is a valid safetensors file with transformers' Qwen3-MoE names."""
+  from jax_moeq.loaders.safetensors_io import read_header, read_tensor
+  example = _load("generate_qwen3_moe")
+  cfg = example.qwen3_moe_config(example._parse_args(TINY_QWEN3_MOE))
+  example.write_qwen3_moe_checkpoint(tmp_path, cfg, seed=0)
+  infos, metadata = read_header(tmp_path / "model.safetensors")  # validates offsets and coverage
+  assert metadata == {"format": "pt"}
+  shapes = {name: tuple(info.shape) for name, info in infos.items()}
+  assert shapes == dict(example.qwen3_moe_tensors(cfg))
+  assert shapes["model.layers.1.mlp.experts.7.down_proj.weight"] == (128, 64)
+  assert shapes["model.layers.0.self_attn.q_norm.weight"] == (32,)
+  embed = read_tensor(infos["model.embed_tokens.weight"], "model.embed_tokens.weight")
+  assert embed.dtype.name == "bfloat16" and 0.015 < np.std(embed.astype(np.float32)) < 0.025
+  assert json.loads((tmp_path / "config.json").read_text()) == cfg
+
+
+def test_qwen3_moe_checkpoint_matches_transformers(tmp_path):
+  """transformers reads the checkpoint with no missing or unexpected tensor, and what it saves
+  back has our tensor names, shapes and config keys."""
+  transformers = pytest.importorskip("transformers")
+  torch = pytest.importorskip("torch")
+  from jax_moeq.loaders.safetensors_io import read_header
+  example = _load("generate_qwen3_moe")
+  cfg = example.qwen3_moe_config(example._parse_args(TINY_QWEN3_MOE))
+  example.write_qwen3_moe_checkpoint(tmp_path / "ours", cfg, seed=0)
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "ours", output_loading_info=True, dtype=torch.bfloat16)
+  assert type(model).__name__ == "Qwen3MoeForCausalLM"
+  assert not info["missing_keys"] and not info["unexpected_keys"]
+  assert not info["mismatched_keys"]
+  model.save_pretrained(tmp_path / "theirs")
+  infos, _ = read_header(tmp_path / "theirs" / "model.safetensors")
+  assert {name: tuple(i.shape) for name, i in infos.items()} == dict(example.qwen3_moe_tensors(cfg))
+  saved = json.loads((tmp_path / "theirs" / "config.json").read_text())
+  assert set(saved) == set(cfg)
+  assert {k: saved[k] for k in cfg if k != "transformers_version"} == {
+      k: v for k, v in cfg.items() if k != "transformers_version"}
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors-w4a8", "gptq", "mxint4"])
