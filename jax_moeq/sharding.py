@@ -39,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jax_moeq.experts.cpu_int4 import w4a8_scales
 from jax_moeq.ops import w4a8_cpu
+from jax_moeq.weights import fold_w2_act_order
 
 Array = jax.Array
 
@@ -267,15 +269,10 @@ def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
   w = block.canonical_int4()
   if w.w13_g_idx is not None:
     raise ValueError("blocks with act-order on w13 cannot run on the W4A8 kernel")
-  if w.w2_g_idx is not None:  # fold w2's act-order into w13's rows (exact)
-    from jax_moeq.nn._backends import int4_experts_from_layer
-    w = int4_experts_from_layer(w.to_layer().sorted_by_group()[0])
-  s13, s2 = w.w13_scale, w.w2_scale
-  if w.group_size != -1:
-    s13, s2 = s13.astype(jnp.bfloat16), s2.astype(jnp.bfloat16)
-  sharded = shard_w4a8_weights(jnp.asarray(w.w13), jnp.asarray(w.w2), s13, s2, w.group_size,
-                               mesh=mesh, expert_axis=expert_axis, tensor_axis=tensor_axis,
-                               w13_bias=w.w13_bias, w2_bias=w.w2_bias)
+  w = w4a8_scales(fold_w2_act_order(w))  # exact; the scales as the W4A8 kernel stores them
+  sharded = shard_w4a8_weights(jnp.asarray(w.w13_q), jnp.asarray(w.w2_q), w.w13_scale,
+                               w.w2_scale, w.group_size, mesh=mesh, expert_axis=expert_axis,
+                               tensor_axis=tensor_axis, w13_bias=w.w13_bias, w2_bias=w.w2_bias)
   spec = block.spec
   kind = {"silu": 0, "swigluoai": 1}[spec.activation]
 
@@ -284,7 +281,7 @@ def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
     topk_weights, topk_ids = block.route(logits)
     y = w4a8_moe_sharded(tokens, topk_ids, topk_weights, sharded,
                          apply_router_weight_on_input=spec.apply_router_weight_on_input,
-                             activation_kind=kind, capacity_factor=capacity_factor)
+                         activation_kind=kind, capacity_factor=capacity_factor)
     return y.reshape(*lead, spec.hidden_size)
 
   return fn

@@ -20,13 +20,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_moeq.quant import int4 as int4_lib
 
 Array = jax.Array
 
 __all__ = [
-    "FloatMoEWeights", "Int4MoEWeights", "W4A8PackedWeights", "pack_w4a8",
+    "FloatMoEWeights", "Int4MoEWeights", "W4A8PackedWeights", "fold_w2_act_order", "pack_w4a8",
     "quantize_moe_weights", "unpack_w4a8", "validate_float_weights", "validate_int4_weights",
     "validate_w4a8_packed_weights",
 ]
@@ -63,14 +64,17 @@ class FloatMoEWeights:
     return self.w13_bias is not None or self.w2_bias is not None
 
 
-@_pytree(["w13_q", "w13_scale", "w2_q", "w2_scale", "w13_bias", "w2_bias"], ["group_size"])
+@_pytree(["w13_q", "w13_scale", "w2_q", "w2_scale", "w13_bias", "w2_bias", "w13_g_idx",
+          "w2_g_idx"], ["group_size"])
 @dataclasses.dataclass(frozen=True)
 class Int4MoEWeights:
-  """Symmetric int4 experts, unpacked (SPEC §2).
+  """Symmetric int4 experts, unpacked (SPEC §2): the canonical form every scheme prepares from.
 
   w13_q [E, 2I, H] int8 and w2_q [E, H, I] int8 hold values in [-8, 7];
   w13_scale [E, 2I, H/g], w2_scale [E, H, I/g] (bf16 group-wise; fp16 or f32
   also accepted), or [E, 2I, 1] / [E, H, 1] f32 with group_size = -1.
+  w13_g_idx [E, H] / w2_g_idx [E, I] int32 (GPTQ act-order): the group of each
+  input channel; None means contiguous groups (k // g).
   """
   w13_q: Array
   w13_scale: Array
@@ -79,6 +83,8 @@ class Int4MoEWeights:
   group_size: int
   w13_bias: Array | None = None
   w2_bias: Array | None = None
+  w13_g_idx: Array | None = None
+  w2_g_idx: Array | None = None
 
   @property
   def num_experts(self) -> int:
@@ -95,6 +101,32 @@ class Int4MoEWeights:
   @property
   def has_bias(self) -> bool:
     return self.w13_bias is not None or self.w2_bias is not None
+
+  @property
+  def has_act_order(self) -> bool:
+    return self.w13_g_idx is not None or self.w2_g_idx is not None
+
+  def to_layer(self):
+    """As a host-side `jax_moeq.loaders.MoELayerTensors` (no router), for checkpoint writers."""
+    from jax_moeq.loaders import MoELayerTensors
+    host = lambda a: None if a is None else np.asarray(a)
+    return MoELayerTensors(
+        w13=host(self.w13_q), w2=host(self.w2_q), w13_scale=host(self.w13_scale),
+        w2_scale=host(self.w2_scale), group_size=self.group_size,
+        w13_g_idx=host(self.w13_g_idx), w2_g_idx=host(self.w2_g_idx),
+        w13_bias=host(self.w13_bias), w2_bias=host(self.w2_bias))
+
+  @classmethod
+  def from_layer(cls, layer) -> "Int4MoEWeights":
+    """An int4 `jax_moeq.loaders.MoELayerTensors` as device arrays (biases f32, g_idx int32)."""
+    if not layer.quantized:
+      raise ValueError("layer holds float weights; quantize them (quantize_moe_weights, "
+                       "QuantizedMoE.from_float) or load an int4 checkpoint")
+    dev = lambda a, dt=None: None if a is None else jnp.asarray(a, dt)
+    return cls(dev(layer.w13), dev(layer.w13_scale), dev(layer.w2), dev(layer.w2_scale),
+               int(layer.group_size), dev(layer.w13_bias, jnp.float32),
+               dev(layer.w2_bias, jnp.float32), dev(layer.w13_g_idx, jnp.int32),
+               dev(layer.w2_g_idx, jnp.int32))
 
 
 @_pytree(["w13_packed", "w2_packed"], ["hidden_size", "intermediate_size", "group_size"])
@@ -169,6 +201,14 @@ def validate_int4_weights(weights: Int4MoEWeights) -> None:
       raise TypeError(f"{name} must be floating point, got {jnp.result_type(scale)}")
   _check_bias("w13_bias", weights.w13_bias, (e, 2 * i))
   _check_bias("w2_bias", weights.w2_bias, (e, h))
+  for name, k in (("w13_g_idx", h), ("w2_g_idx", i)):
+    g_idx = getattr(weights, name)
+    if g_idx is None:
+      continue
+    if jnp.shape(g_idx) != (e, k):
+      raise ValueError(f"{name} must have shape {(e, k)}, got {jnp.shape(g_idx)}")
+    if not jnp.issubdtype(jnp.result_type(g_idx), jnp.integer):
+      raise TypeError(f"{name} must be integer, got {jnp.result_type(g_idx)}")
 
 
 def validate_w4a8_packed_weights(weights: W4A8PackedWeights) -> None:
@@ -202,6 +242,32 @@ def quantize_moe_weights(float_weights: FloatMoEWeights, group_size: int) -> Int
                         f32(float_weights.w2_bias))
 
 
+def fold_w2_act_order(weights: Int4MoEWeights) -> Int4MoEWeights:
+  """Folds w2's act-order (a per-expert permutation of I) into w13's rows, exactly (jittable).
+
+  w2's inputs are sorted by group, so its groups become contiguous; w13's gate and up rows (and
+  their scales and biases) move with them: the activation is elementwise, so the layer computes
+  the same. w13's own act-order (a permutation of the hidden input) is left as it is.
+  """
+  if weights.w2_g_idx is None:
+    return weights
+  i = weights.intermediate_size
+  perm = jnp.argsort(jnp.asarray(weights.w2_g_idx, jnp.int32), axis=-1, stable=True)  # [E, I]
+  rows = jnp.concatenate([perm, perm + i], axis=-1)  # gate and up halves move together
+  return dataclasses.replace(
+      weights, w2_q=jnp.take_along_axis(jnp.asarray(weights.w2_q), perm[:, None, :], axis=-1),
+      w13_q=_take_rows(weights.w13_q, rows), w13_scale=_take_rows(weights.w13_scale, rows),
+      w13_bias=_take_rows(weights.w13_bias, rows), w2_g_idx=None)
+
+
+def _take_rows(a: Array | None, rows: Array) -> Array | None:
+  """a [E, N, ...] with its rows reordered per expert by rows [E, N]."""
+  if a is None:
+    return None
+  a = jnp.asarray(a)
+  return jnp.take_along_axis(a, rows.reshape(rows.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
 def pack_w4a8(int4_weights: Int4MoEWeights) -> W4A8PackedWeights:
   """Packs int4 experts for the CPU W4A8 kernel (`convert_to_w4a8_int8_moe_format`).
 
@@ -211,6 +277,9 @@ def pack_w4a8(int4_weights: Int4MoEWeights) -> W4A8PackedWeights:
   """
   from jax_moeq.ops.w4a8_cpu import convert_to_w4a8_int8_moe_format
   validate_int4_weights(int4_weights)
+  if int4_weights.has_act_order:
+    raise ValueError("pack_w4a8 takes weights without act-order (g_idx); fold w2's with "
+                     "fold_w2_act_order (w13's cannot run on the W4A8 kernel)")
   w = int4_weights
   w13_packed, w2_packed, *_ = convert_to_w4a8_int8_moe_format(
       w.w13_q, w.w2_q, w.w13_scale, w.w2_scale, w.group_size, w.w13_bias, w.w2_bias)

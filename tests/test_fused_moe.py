@@ -1,4 +1,5 @@
-"""`jax_moeq.fused_moe` for every weight type, the weight containers, and the experts classes.
+"""`jax_moeq.fused_moe` on float and W4A8 weights, the weight containers, and the W4A8 experts
+classes (tests/test_dispatch.py runs the weight-only schemes and the dispatch itself).
 
 Tolerances (SPEC §9): the CPU kernel vs the same-scheme jnp reference, relative Frobenius error
 <= 1e-4 in float32 and <= 1e-2 in bfloat16/float16 (only rare int8 rounding flips differ).
@@ -18,7 +19,7 @@ import pytest
 from jax_moeq import _ffi, reference, routing
 from jax_moeq.experts.cpu_int4 import CPUExpertsInt4
 from jax_moeq.experts.reference import ReferenceExpertsW4A8
-from jax_moeq.fused_moe import fused_moe, register_weight_handler
+from jax_moeq.fused_moe import fused_moe
 from jax_moeq.oracle import base
 from jax_moeq.oracle.w4a8_int8 import make_w4a8_int8_moe_quant_config
 from jax_moeq.weights import (
@@ -125,21 +126,30 @@ def test_packed_weights_under_jit_with_leading_dims(dtype, caplog):
 
 @needs_cpu_library
 def test_experts_classes_agree():
-  cfg = base.MoEConfig(E, K, H, I, in_dtype=jnp.float32, platform="cpu")
+  cfg = base.MoEConfig(E, K, H, I, in_dtype=jnp.float32, platform="cpu", has_bias=True)
   qc = make_w4a8_int8_moe_quant_config((1, 128))
   q = quantize_moe_weights(float_weights(7, bias=True), 128)
-  packed = pack_w4a8(q)
   x, logits = inputs(8, 5, jnp.float32)
-  fast = CPUExpertsInt4(cfg, qc).apply(x, packed.w13_packed, packed.w2_packed, logits)
-  slow = ReferenceExpertsW4A8(cfg, qc).apply(x, q.w13_q, q.w2_q, logits, w1_scale=q.w13_scale,
-                                             w2_scale=q.w2_scale, w1_bias=q.w13_bias,
-                                             w2_bias=q.w2_bias)
+  fast_experts, slow_experts = CPUExpertsInt4(cfg, qc), ReferenceExpertsW4A8(cfg, qc)
+  packed = fast_experts.prepare(q)
+  assert sorted(packed) == ["w13_packed", "w2_packed"]
+  # Already packed weights pass through unchanged.
+  np.testing.assert_array_equal(np.asarray(fast_experts.prepare(pack_w4a8(q))["w13_packed"]),
+                                np.asarray(packed["w13_packed"]))
+  fast = fast_experts.apply(x, logits, packed)
+  slow = slow_experts.apply(x, logits, slow_experts.prepare(q))
   assert rel(fast, slow) <= TOLERANCE[jnp.float32]
-  with pytest.raises(ValueError, match="packed w1/w2 only"):
-    CPUExpertsInt4(cfg, qc).apply(x, packed.w13_packed, packed.w2_packed, logits,
-                                  w1_scale=q.w13_scale)
-  with pytest.raises(ValueError, match="needs w1_scale and w2_scale"):
-    ReferenceExpertsW4A8(cfg, qc).apply(x, q.w13_q, q.w2_q, logits)
+  # The packed bytes unpack to the canonical weights.
+  back = fast_experts.canonical(packed)
+  for name in ("w13_q", "w2_q", "w13_scale", "w2_scale", "w13_bias", "w2_bias"):
+    np.testing.assert_array_equal(np.asarray(getattr(back, name), np.float32),
+                                  np.asarray(getattr(q, name), np.float32), err_msg=name)
+  with pytest.raises(ValueError, match=r"needs the prepared arrays \['w13_packed'"):
+    fast_experts.apply(x, logits, slow_experts.prepare(q))
+  with pytest.raises(ValueError, match="needs the prepared arrays.*w13_q"):
+    slow_experts.apply(x, logits, packed)
+  with pytest.raises(ValueError, match="group_size=64, the experts were built for group_size=128"):
+    fast_experts.prepare(quantize_moe_weights(float_weights(7, bias=True), 64))
 
 
 # ------------------------------------------------------------------ W4A8 on the reference
@@ -213,7 +223,7 @@ def test_float_weights_vs_numpy(activation, bias, on_input, caplog):
     out = jax.jit(lambda x, l, w: fused_moe(
         x, l, w, top_k=K, activation=activation, renormalize=not on_input,
         apply_router_weight_on_input=on_input))(x.reshape(2, 3, H), logits.reshape(2, 3, E), w)
-  assert "unquantized MoE weights" in caplog.text
+  assert "fused_moe runs unquantized weights on backend xla" in caplog.text
   want = np_moe(x, np.asarray(logits, np.float64), w, K, activation=activation,
                 renormalize=not on_input, on_input=on_input)
   assert out.shape == (2, 3, H)
@@ -260,24 +270,18 @@ def test_containers_are_pytrees_with_static_ints():
 
 
 # ------------------------------------------------------------------ dispatch and errors
-def test_register_weight_handler_dispatches_by_type():
+def test_weight_subclasses_dispatch_as_their_container():
   @dataclasses.dataclass(frozen=True)
-  class Doubled(FloatMoEWeights):
+  class Named(FloatMoEWeights):
     pass
 
-  calls = []
-
-  def handler(x, logits, weights, options, bias):
-    calls.append((x.shape, options.top_k, options.platform, options.activation))
-    return 2 * x
-
-  register_weight_handler(Doubled, handler)
   w = float_weights(20)
   x, logits = inputs(21, 4, jnp.float32)
-  out = fused_moe(x.reshape(2, 2, H), logits.reshape(2, 2, E), Doubled(w.w13, w.w2), top_k=K,
+  out = fused_moe(x.reshape(2, 2, H), logits.reshape(2, 2, E), Named(w.w13, w.w2), top_k=K,
                   activation="swigluoai")
-  assert calls == [((4, H), K, "cpu", base.MoEActivation.SWIGLUOAI)]
-  np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x).reshape(2, 2, H))
+  np.testing.assert_array_equal(
+      np.asarray(out), np.asarray(fused_moe(x, logits, w, top_k=K, activation="swigluoai")
+                                  ).reshape(2, 2, H))
 
 
 def test_bad_inputs():
@@ -290,7 +294,7 @@ def test_bad_inputs():
     fused_moe(x, logits[:2], w, top_k=K)
   with pytest.raises(ValueError, match="activation='relu' is not one of"):
     fused_moe(x, logits, q, top_k=K, activation="relu")
-  with pytest.raises(ValueError, match="not supported for unquantized MoE weights"):
+  with pytest.raises(ValueError, match="moe_backend='cpu' is not supported for Unquantized MoE"):
     fused_moe(x, logits, w, top_k=K, moe_backend="cpu")
   with pytest.raises(ValueError, match="moe_backend='marlin' is not supported for W4A8 Int8"):
     fused_moe(x, logits, q, top_k=K, moe_backend="marlin")

@@ -286,8 +286,14 @@ def test_reference_experts_apply_matches_reference():
   rng = np.random.default_rng(10)
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
   logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
-  got = experts.apply(x, w["w13_q"], w["w2_q"], logits, w1_scale=w["w13_scale"],
-                      w2_scale=w["w2_scale"])
+  # The converter's reference dict is the experts' prepared form; the default routing is the
+  # config's kernel-side method (Renormalize: softmax top-k, renormalized).
+  got = experts.apply(x, logits, w)
   want = reference.fused_moe_mxint4(x, logits, jnp.asarray(q13), s13, jnp.asarray(q2), s2,
                                     top_k=k, routing_method=RM.Renormalize)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  routing = base.RoutingOptions(top_k=k, renormalize=True)
+  np.testing.assert_array_equal(np.asarray(experts.apply(x, logits, w, routing), np.float32),
+                                np.asarray(want, np.float32))
+  with pytest.raises(ValueError, match="built for Renormalize"):
+    experts.apply(x, logits, w, base.RoutingOptions(top_k=k, renormalize=False))

@@ -20,7 +20,6 @@ import pytest
 from flax import nnx
 
 from jax_moeq.nn import MoE, QuantizedMoE, QuantizedWeight
-from jax_moeq.nn import _backends
 
 E, K, H, I = 8, 2, 128, 64
 

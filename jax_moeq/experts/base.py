@@ -1,7 +1,6 @@
 """Base class of the experts implementations the oracles choose between.
 
-An experts class runs a whole MoE layer (routing included, vLLM's
-"monolithic" experts) for one backend. The oracle asks the class, before
+An experts class runs a whole MoE layer for one backend. The oracle asks the class, before
 building it, whether it fits a deployment:
 
   supported, reason = cls.is_supported_config(config, weight_key, activation_key,
@@ -14,21 +13,37 @@ parallel config, quantization scheme, routing method, router-logits dtype,
 expert map, then `_unsupported_reason` for anything backend-specific (native
 library present, dtypes, shape alignment). Subclasses override the
 `_supports_*` hooks; the defaults are permissive where that is safe.
+
+An instance then converts weights once and runs per call:
+
+  arrays = experts.prepare(weights)        # canonical weights -> the backend's named arrays
+  y = experts.apply(x, router_logits, arrays, routing, e_score_correction_bias)
+  y = experts.apply_routed(x, topk_ids, topk_weights, arrays)   # already-routed tokens
+
+`prepare` takes the canonical containers of `jax_moeq.weights` (`Int4MoEWeights`, or
+`FloatMoEWeights` for unquantized experts) and returns a dict of arrays whose names are stable
+(the Flax blocks store them as variables under these names); `canonical(arrays)` inverts it
+where the format allows. `apply` routes on the host with `routing.select_experts` and calls
+`apply_routed`, unless the backend routes inside its kernel (`routes_inside`). Activation and
+where the router weight is applied come from the experts' `MoEConfig`.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jax_moeq.oracle.base import (
     FusedMoEActivationFormat, MoEActivation, MoEConfig, MoEParallelConfig, QuantKey,
-    RoutingMethodType,
+    RoutingMethodType, RoutingOptions,
 )
-from jax_moeq import routing as routing_lib
+from jax_moeq.weights import (
+    Int4MoEWeights, W4A8PackedWeights, unpack_w4a8, validate_int4_weights,
+)
 
 Array = jax.Array
 
@@ -36,7 +51,12 @@ GATED_ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUOAI, MoEActivation.
 
 
 class MoEExperts(abc.ABC):
-  """A backend's experts: `is_supported_config` (class level) and `apply` (instance)."""
+  """A backend's experts: `is_supported_config` (class level), `prepare` and `apply`."""
+
+  # The backend's short name, as `jax_moeq.nn.QuantizedMoE.backend` reports it.
+  backend_name: ClassVar[str] = ""
+  # Whether the kernel routes from router logits itself (`apply` only, no `apply_routed`).
+  routes_inside: ClassVar[bool] = False
 
   def __init__(self, moe_config: MoEConfig, quant_config: Any = None):
     self.moe_config = moe_config
@@ -125,60 +145,76 @@ class MoEExperts(abc.ABC):
     """Backend-specific checks (libraries, dtypes, shapes): a reason, or None if fine."""
     return None
 
-  # ---------------------------------------------------------------- compute
-  def route(self, router_logits: Array, *, top_k: int | None = None,
-            renormalize: bool | None = None, scoring_func: str = "softmax",
-            use_grouped_topk: bool | None = None, num_expert_group: int | None = None,
-            topk_group: int | None = None, e_score_correction_bias: Array | None = None,
-            routed_scaling_factor: float | None = None) -> tuple[Array, Array]:
-    """Host-side expert selection (`routing.select_experts`), defaults from the config.
+  # ---------------------------------------------------------------- weights and compute
+  def prepare(self, weights: Any) -> dict[str, Array]:
+    """Canonical weights -> this backend's named arrays (run once per set of weights)."""
+    raise NotImplementedError(f"{type(self).__name__} does not prepare weights")
 
-    Returns (topk_weights f32 [T, K], topk_ids int32 [T, K]).
-    """
-    cfg = self.moe_config
-    if top_k is None:
-      top_k = cfg.top_k
-    if renormalize is None:
-      renormalize = cfg.routing_method in (RoutingMethodType.Renormalize,
-                                           RoutingMethodType.RenormalizeNaive,
-                                           RoutingMethodType.SigmoidRenorm)
-    if use_grouped_topk is None:
-      use_grouped_topk = num_expert_group is not None
-    return routing_lib.select_experts(
-        router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
-        use_grouped_topk=use_grouped_topk, num_expert_group=num_expert_group,
-        topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
-        routed_scaling_factor=1.0 if routed_scaling_factor is None else routed_scaling_factor)
+  def canonical(self, arrays: Mapping[str, Array]) -> Any:
+    """Inverse of `prepare`: the canonical weights held in `arrays`."""
+    raise NotImplementedError(f"exporting weights from {type(self).__name__} is not supported; "
+                              "run the layer on the reference backend to export")
 
   @abc.abstractmethod
-  def apply_routed(self, hidden_states: Array, topk_ids: Array, topk_weights: Array, w1: Any,
-                   w2: Any, activation: MoEActivation | str | None = None, *,
-                   apply_router_weight_on_input: bool | None = None, **weights: Any) -> Array:
-    """The experts on already-routed tokens: [T, H] -> [T, H]."""
+  def apply_routed(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
+                   weights: Mapping[str, Array]) -> Array:
+    """The experts on already-routed tokens: [T, H] -> [T, H]; `weights` from `prepare`."""
 
-  def apply(self, hidden_states: Array, w1: Any, w2: Any, router_logits: Array,
-            activation: MoEActivation | str | None = None, *, top_k: int | None = None,
-            renormalize: bool | None = None, scoring_func: str = "softmax",
-            use_grouped_topk: bool | None = None, num_expert_group: int | None = None,
-            topk_group: int | None = None, e_score_correction_bias: Array | None = None,
-            routed_scaling_factor: float | None = None,
-            apply_router_weight_on_input: bool | None = None, **weights: Any) -> Array:
-    """Routes `router_logits` with `select_experts`, then runs the experts.
+  def apply(self, hidden_states: Array, router_logits: Array, weights: Mapping[str, Array],
+            routing: RoutingOptions | None = None,
+            e_score_correction_bias: Array | None = None) -> Array:
+    """The whole layer from router logits [T, E]: routing (`routing`, default from the
+    config's top-k and routing method), then the experts. [T, H] -> [T, H]."""
+    if routing is None:
+      routing = self.default_routing()
+    topk_weights, topk_ids = routing.select(router_logits, e_score_correction_bias)
+    return self.apply_routed(hidden_states, topk_ids, topk_weights, weights)
 
-    `w1` / `w2` (and the keyword `weights`, e.g. scales) are in the backend's
-    format; see each subclass. Unset options default to the config's.
-    """
-    topk_weights, topk_ids = self.route(
-        router_logits, top_k=top_k, renormalize=renormalize, scoring_func=scoring_func,
-        use_grouped_topk=use_grouped_topk, num_expert_group=num_expert_group,
-        topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
-        routed_scaling_factor=routed_scaling_factor)
-    return self.apply_routed(hidden_states, topk_ids, topk_weights, w1, w2, activation,
-                             apply_router_weight_on_input=apply_router_weight_on_input,
-                             **weights)
+  def default_routing(self) -> RoutingOptions:
+    """Softmax top-k routing of the config's top_k, renormalized when its method is."""
+    cfg = self.moe_config
+    return RoutingOptions(top_k=cfg.top_k,
+                          renormalize=cfg.routing_method in _RENORMALIZING)
 
-  def _resolve(self, activation, apply_router_weight_on_input) -> tuple[MoEActivation, bool]:
-    act = self.moe_config.activation if activation is None else MoEActivation.from_str(activation)
-    if apply_router_weight_on_input is None:
-      apply_router_weight_on_input = self.moe_config.apply_router_weight_on_input
-    return act, bool(apply_router_weight_on_input)
+  @property
+  def activation(self) -> MoEActivation:
+    return self.moe_config.activation
+
+  @property
+  def apply_router_weight_on_input(self) -> bool:
+    return self.moe_config.apply_router_weight_on_input
+
+  # Equal configs give equal experts: blocks holding them hash alike under jit (static data).
+  def _key(self) -> tuple:
+    return (type(self), self.moe_config, self.quant_config)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, MoEExperts) and self._key() == other._key()
+
+  def __hash__(self) -> int:
+    return hash(self._key())
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.moe_config!r})"
+
+
+_RENORMALIZING = (RoutingMethodType.Renormalize, RoutingMethodType.RenormalizeNaive,
+                  RoutingMethodType.SigmoidRenorm)
+
+
+def require_arrays(owner: str, weights: Mapping[str, Array], names: tuple[str, ...]) -> None:
+  """ValueError naming what is missing or unexpected in a prepared-weights dict."""
+  missing = [n for n in names if n not in weights]
+  if missing:
+    raise ValueError(f"{owner} needs the prepared arrays {list(names)}; missing {missing} "
+                     f"(got {sorted(weights)}); build them with {owner}.prepare")
+
+
+def check_int4_weights(weights: Any) -> Int4MoEWeights:
+  """`Int4MoEWeights` (validated), or the unpacked form of `W4A8PackedWeights`."""
+  if isinstance(weights, W4A8PackedWeights):
+    return unpack_w4a8(weights)
+  if not isinstance(weights, Int4MoEWeights):
+    raise TypeError(f"weights must be Int4MoEWeights, got {type(weights).__name__}")
+  validate_int4_weights(weights)
+  return weights

@@ -6,27 +6,35 @@
 - `ReferenceExpertsMxInt4` (backend REFERENCE): `reference.fused_moe_mxint4` on canonical
   int4-as-int8 weights, every platform.
 
-Both run the whole layer from router logits (`apply`): the routing method is one of
-`routing.RoutingMethodType`, computed as `routing.route` does.
+The config's routing method is the kernel-side method (`routing.route`) the layer computes;
+`RoutingMethodType.Unspecified` says the layer's `select_experts` options have none, which only
+the reference runs (routing on the host, then the experts).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
-from jax_moeq.experts.base import MoEExperts
+from jax_moeq import reference
+from jax_moeq.experts.base import MoEExperts, check_int4_weights, require_arrays
 from jax_moeq.oracle.base import (
-    MXINT4_WEIGHT_KEYS, MoEActivation, MoEParallelConfig, QuantKey, RoutingMethodType,
+    MXINT4_WEIGHT_KEYS, MoEActivation, MoEConfig, MoEParallelConfig, QuantKey, RoutingMethodType,
+    RoutingOptions,
 )
+from jax_moeq.ops import mxint4_gpu
+from jax_moeq.weights import Int4MoEWeights
 
 Array = jax.Array
 
 # The kernel applies silu(gate) * up (SPEC §4 kinds 0 and 2) only.
 MXINT4_ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUSTEP)
+MXINT4_GROUP_SIZE = 32
 _ROUTER_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_GPU_ARRAYS = tuple(mxint4_gpu.WEIGHT_KEYS)
+_REFERENCE_ARRAYS = ("w13_q", "w13_scale", "w2_q", "w2_scale")
 
 
 class _MxInt4ExpertsBase(MoEExperts):
@@ -46,42 +54,51 @@ class _MxInt4ExpertsBase(MoEExperts):
     return weight_key in MXINT4_WEIGHT_KEYS and activation_key is None
 
   @staticmethod
-  def _supports_routing_method(routing_method: RoutingMethodType, weight_key, activation_key
-                               ) -> bool:
-    return routing_method != RoutingMethodType.Unspecified
-
-  @staticmethod
   def _supports_router_logits_dtype(router_logits_dtype, routing_method) -> bool:
     return router_logits_dtype is None or jnp.dtype(router_logits_dtype) in _ROUTER_DTYPES
 
   @classmethod
-  def _common_reason(cls, moe_config) -> str | None:
+  def _common_reason(cls, moe_config: MoEConfig) -> str | None:
     if moe_config.has_bias:
       return "MxInt4 experts have no biases"
     if moe_config.apply_router_weight_on_input:
       return "MxInt4 applies the router weights to the expert outputs, not the inputs"
     return None
 
-  def _reject_unknown(self, unused, activation):
-    act = self.moe_config.activation if activation is None else MoEActivation.from_str(activation)
-    if act not in MXINT4_ACTIVATIONS:
-      raise ValueError(f"MxInt4 experts apply silu(gate)*up only, not {act.name}")
-    if unused:
-      raise TypeError(f"unexpected arguments for MxInt4 experts: {sorted(unused)}")
+  def _check_int4(self, weights: Int4MoEWeights) -> Int4MoEWeights:
+    w = check_int4_weights(weights)
+    if w.group_size != MXINT4_GROUP_SIZE:
+      raise ValueError(f"MxInt4 weights have group_size={MXINT4_GROUP_SIZE}, got "
+                       f"group_size={w.group_size}")
+    if w.has_act_order:
+      raise ValueError("MxInt4 weights have no act-order (g_idx)")
+    if w.has_bias:
+      raise ValueError("MxInt4 experts have no biases")
+    return w
 
-  def _op_kwargs(self, top_k, num_expert_group, topk_group, e_score_correction_bias,
-                 routed_scaling_factor, routing_method) -> dict[str, Any]:
-    cfg = self.moe_config
-    return dict(top_k=cfg.top_k if top_k is None else top_k,
-                routing_method=cfg.routing_method if routing_method is None else routing_method,
-                num_expert_group=num_expert_group, topk_group=topk_group,
+  def _kernel_routing(self, routing: RoutingOptions | None) -> RoutingOptions:
+    """`routing` (default from the config), checked to compute the config's kernel method."""
+    routing = self.default_routing() if routing is None else routing
+    method = self.moe_config.routing_method
+    if routing.kernel_routing_method != method:
+      raise ValueError(f"routing={routing} computes kernel routing method "
+                       f"{routing.kernel_routing_method}, but the experts were built for "
+                       f"{method.name}")
+    return routing
+
+  def _route_kwargs(self, routing: RoutingOptions, e_score_correction_bias) -> dict:
+    return dict(top_k=routing.top_k, routing_method=self.moe_config.routing_method,
                 e_score_correction_bias=e_score_correction_bias,
-                routed_scaling_factor=routed_scaling_factor)
+                **routing.kernel_routing_kwargs())
 
 
 class HopperMxInt4Experts(_MxInt4ExpertsBase):
-  """The fused GPU kernel. `apply(x, w1=w13_packed, w2=w2_packed, router_logits,
-  w1_scale=w13_scale, w2_scale=w2_scale, num_experts=E, ep_rank=0, ...)`."""
+  """The fused GPU kernel, routing inside. Prepared arrays: {"gemm1_weights", "gemm1_scales",
+  "gemm2_weights", "gemm2_scales"} (`prepare_static_weights_for_mxint4_moe`) of this rank's
+  experts (global ids from `parallel_config.ep_rank` times their count)."""
+
+  backend_name = "mxint4_gpu"
+  routes_inside = True
 
   @staticmethod
   def _supports_current_device(platform: str) -> bool:
@@ -92,6 +109,8 @@ class HopperMxInt4Experts(_MxInt4ExpertsBase):
     reason = cls._common_reason(moe_config)
     if reason:
       return reason
+    if moe_config.routing_method == RoutingMethodType.Unspecified:
+      return "the layer's routing has no kernel-side routing method (SPEC §5)"
     if moe_config.in_dtype != jnp.dtype(jnp.bfloat16):
       return f"the kernel takes bfloat16 activations, not {moe_config.in_dtype}"
     h, i = moe_config.hidden_size, moe_config.intermediate_size
@@ -99,43 +118,48 @@ class HopperMxInt4Experts(_MxInt4ExpertsBase):
       return f"the kernel needs H and I multiples of 64, got H={h}, I={i}"
     if moe_config.num_experts > 1024 or moe_config.top_k > 32:
       return "the routing kernel supports at most 1024 experts and top_k <= 32"
-    from jax_moeq.ops import mxint4_gpu
     if not mxint4_gpu.is_mxint4_moe_available():
       return ("no CUDA GPU of compute capability >= 9.0 with jax_moeq's CUDA library "
               "(libjax_moeq_cuda.so) is available")
     return None
 
-  def apply_routed(self, hidden_states, topk_ids, topk_weights, w1, w2, activation=None, *,
-                   apply_router_weight_on_input=None, **weights):
+  def prepare(self, weights: Int4MoEWeights) -> dict[str, Array]:
+    w = self._check_int4(weights)
+    return mxint4_gpu.prepare_static_weights_for_mxint4_moe(
+        mxint4_gpu.int8_to_signed_nibbles(jnp.asarray(w.w13_q)),
+        jnp.asarray(w.w13_scale, jnp.bfloat16),
+        mxint4_gpu.int8_to_signed_nibbles(jnp.asarray(w.w2_q)),
+        jnp.asarray(w.w2_scale, jnp.bfloat16))
+
+  def apply_routed(self, hidden_states, topk_ids, topk_weights, weights):
     raise NotImplementedError("HopperMxInt4Experts routes inside the kernel: call apply() with "
                               "router logits")
 
-  def apply(self, hidden_states: Array, w1: Any, w2: Any, router_logits: Array,
-            activation=None, *, top_k: int | None = None, num_expert_group: int | None = None,
-            topk_group: int | None = None, e_score_correction_bias: Array | None = None,
-            routed_scaling_factor: float | None = None,
-            routing_method: RoutingMethodType | None = None, w1_scale: Array = None,
-            w2_scale: Array = None, num_experts: int | None = None, ep_rank: int = 0,
-            **unused: Any) -> Array:
-    """`mxint4_moe` on this rank's prepared experts (w1/w2 and scales from
-    `prepare_static_weights_for_mxint4_moe`); `num_experts` defaults to the logits' width."""
-    from jax_moeq.ops import mxint4_gpu
-    self._reject_unknown(unused, activation)
-    if w1_scale is None or w2_scale is None:
-      raise ValueError("HopperMxInt4Experts needs w1_scale and w2_scale (prepared layout)")
-    kw = self._op_kwargs(top_k, num_expert_group, topk_group, e_score_correction_bias,
-                         routed_scaling_factor, routing_method)
+  def apply(self, hidden_states: Array, router_logits: Array, weights: Mapping[str, Array],
+            routing: RoutingOptions | None = None,
+            e_score_correction_bias: Array | None = None) -> Array:
+    """`mxint4_moe` on this rank's prepared experts; logits over all (global) experts."""
+    require_arrays(type(self).__name__, weights, _GPU_ARRAYS)
+    routing = self._kernel_routing(routing)
+    w13 = weights["gemm1_weights"]
     return mxint4_gpu.mxint4_moe(
-        hidden_states, router_logits, w1, w1_scale, w2, w2_scale,
-        num_experts=router_logits.shape[-1] if num_experts is None else num_experts,
-        intermediate_size=self.moe_config.intermediate_size, local_num_experts=w1.shape[0],
-        ep_rank=ep_rank, **kw)
+        hidden_states, router_logits, w13, weights["gemm1_scales"], weights["gemm2_weights"],
+        weights["gemm2_scales"], num_experts=router_logits.shape[-1],
+        intermediate_size=self.moe_config.intermediate_size, local_num_experts=w13.shape[0],
+        ep_rank=self.moe_config.parallel_config.ep_rank,
+        **self._route_kwargs(routing, e_score_correction_bias))
 
 
 class ReferenceExpertsMxInt4(_MxInt4ExpertsBase):
-  """`reference.fused_moe_mxint4` (jnp, every platform) on canonical weights: `apply(x,
-  w1=w13_q int8 [L, 2I, H], w2=w2_q int8 [L, H, I], router_logits, w1_scale=[L, 2I, H/32],
-  w2_scale=[L, H, I/32], ep_rank=0, ...)`."""
+  """`reference.fused_moe_mxint4` (jnp, every platform). Prepared arrays: {"w13_q",
+  "w13_scale", "w2_q", "w2_scale"}: int8 [L, 2I, H] / [L, H, I] and bf16 scales per 32."""
+
+  backend_name = "reference"
+
+  @staticmethod
+  def _supports_routing_method(routing_method: RoutingMethodType, weight_key, activation_key
+                               ) -> bool:
+    return True  # Unspecified: routed on the host (select_experts), then the experts
 
   @classmethod
   def _unsupported_reason(cls, moe_config, weight_key, activation_key) -> str | None:
@@ -143,37 +167,44 @@ class ReferenceExpertsMxInt4(_MxInt4ExpertsBase):
     if reason:
       return reason
     h, i = moe_config.hidden_size, moe_config.intermediate_size
-    if h % 32 or i % 32:
-      return f"MxInt4 groups of 32 must divide H={h} and I={i}"
+    if h % MXINT4_GROUP_SIZE or i % MXINT4_GROUP_SIZE:
+      return f"MxInt4 groups of {MXINT4_GROUP_SIZE} must divide H={h} and I={i}"
     return None
 
-  def apply_routed(self, hidden_states: Array, topk_ids: Array, topk_weights: Array, w1: Any,
-                   w2: Any, activation=None, *, apply_router_weight_on_input=None,
-                   w1_scale: Array = None, w2_scale: Array = None, **unused: Any) -> Array:
+  def prepare(self, weights: Int4MoEWeights) -> dict[str, Array]:
+    w = self._check_int4(weights)
+    return {"w13_q": jnp.asarray(w.w13_q), "w13_scale": jnp.asarray(w.w13_scale, jnp.bfloat16),
+            "w2_q": jnp.asarray(w.w2_q), "w2_scale": jnp.asarray(w.w2_scale, jnp.bfloat16)}
+
+  def canonical(self, arrays: Mapping[str, Array]) -> Int4MoEWeights:
+    require_arrays(type(self).__name__, arrays, _REFERENCE_ARRAYS)
+    return Int4MoEWeights(arrays["w13_q"], arrays["w13_scale"], arrays["w2_q"],
+                          arrays["w2_scale"], MXINT4_GROUP_SIZE)
+
+  def apply_routed(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
+                   weights: Mapping[str, Array]) -> Array:
     """Already-routed tokens (local ids): the WNA16 reference with group 32 is the same
     arithmetic."""
-    from jax_moeq import reference
-    self._reject_unknown(unused, activation)
-    return reference.fused_moe_wna16(hidden_states, topk_ids, topk_weights, w1, w1_scale, w2,
-                                     w2_scale, 32)
+    require_arrays(type(self).__name__, weights, _REFERENCE_ARRAYS)
+    return reference.fused_moe_wna16(hidden_states, topk_ids, topk_weights, weights["w13_q"],
+                                     weights["w13_scale"], weights["w2_q"], weights["w2_scale"],
+                                     MXINT4_GROUP_SIZE)
 
-  def apply(self, hidden_states: Array, w1: Any, w2: Any, router_logits: Array,
-            activation=None, *, top_k: int | None = None, num_expert_group: int | None = None,
-            topk_group: int | None = None, e_score_correction_bias: Array | None = None,
-            routed_scaling_factor: float | None = None,
-            routing_method: RoutingMethodType | None = None, w1_scale: Array = None,
-            w2_scale: Array = None, num_experts: int | None = None, ep_rank: int = 0,
-            **unused: Any) -> Array:
-    from jax_moeq import reference
-    self._reject_unknown(unused, activation)
-    if w1_scale is None or w2_scale is None:
-      raise ValueError("ReferenceExpertsMxInt4 needs w1_scale and w2_scale")
-    if num_experts is not None and num_experts != router_logits.shape[-1]:
-      raise ValueError(f"num_experts={num_experts} but router_logits has "
-                       f"{router_logits.shape[-1]} columns")
-    kw = self._op_kwargs(top_k, num_expert_group, topk_group, e_score_correction_bias,
-                         routed_scaling_factor, routing_method)
-    local = w1.shape[0]
+  def apply(self, hidden_states: Array, router_logits: Array, weights: Mapping[str, Array],
+            routing: RoutingOptions | None = None,
+            e_score_correction_bias: Array | None = None) -> Array:
+    """Kernel-side routing as the GPU kernel computes it (`reference.fused_moe_mxint4`, this
+    rank's experts only); host routing when the config's method is Unspecified."""
+    require_arrays(type(self).__name__, weights, _REFERENCE_ARRAYS)
+    local = weights["w13_q"].shape[0]
+    if self.moe_config.routing_method == RoutingMethodType.Unspecified:
+      if local != router_logits.shape[-1]:
+        raise ValueError(f"host routing needs every expert local: the weights hold {local} of "
+                         f"{router_logits.shape[-1]} experts")
+      return super().apply(hidden_states, router_logits, weights, routing,
+                           e_score_correction_bias)
+    routing = self._kernel_routing(routing)
     return reference.fused_moe_mxint4(
-        hidden_states, router_logits, w1, w1_scale, w2, w2_scale,
-        local_expert_offset=ep_rank * local, local_num_experts=local, **kw)
+        hidden_states, router_logits, weights["w13_q"], weights["w13_scale"], weights["w2_q"],
+        weights["w2_scale"], local_expert_offset=self.moe_config.parallel_config.ep_rank * local,
+        local_num_experts=local, **self._route_kwargs(routing, e_score_correction_bias))

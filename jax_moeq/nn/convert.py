@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_moeq.nn import _backends
 from jax_moeq.nn.moe import MoE, MoESpec, QuantizedMoE
+from jax_moeq.weights import FloatMoEWeights, Int4MoEWeights
 
 _ROUTING_KEYS = ("activation", "renormalize", "scoring_func", "use_grouped_topk",
                  "num_expert_group", "topk_group", "routed_scaling_factor",
@@ -54,25 +54,16 @@ def moe_from_checkpoint_layer(layer, top_k: int, *, model_config=None, scheme: s
   if corr is not None:
     opts["e_score_correction_bias"] = True
   if not layer.quantized:
-    moe = MoE(e, top_k, h, i, use_bias=use_bias, router=has_router,
-              rngs=rngs if rngs is not None else nnx.Rngs(0), **opts)
-    dt = moe.param_dtype
-    moe.w13[...] = jnp.asarray(layer.w13, dt)
-    moe.w2[...] = jnp.asarray(layer.w2, dt)
-    if use_bias:
-      moe.w13_bias[...] = jnp.asarray(layer.w13_bias, dt)
-      moe.w2_bias[...] = jnp.asarray(layer.w2_bias, dt)
-    if has_router:
-      moe.router.kernel[...] = jnp.asarray(layer.router_weight, dt).T
-    if corr is not None:
-      moe.e_score_correction_bias[...] = jnp.asarray(corr, jnp.float32)
-    return moe
-  weights = _backends.int4_experts_from_layer(layer)
+    bias = lambda b: None if b is None else jnp.asarray(b)
+    weights = FloatMoEWeights(jnp.asarray(layer.w13), jnp.asarray(layer.w2),
+                              bias(layer.w13_bias), bias(layer.w2_bias))
+    return MoE(e, top_k, h, i, use_bias=use_bias, router=has_router, rngs=rngs, weights=weights,
+               router_weight=layer.router_weight, correction_bias=corr, **opts)
   scheme = scheme or "wna16"
   return QuantizedMoE(e, top_k, h, i, use_bias=use_bias, router=has_router, scheme=scheme,
                       group_size=layer.group_size, moe_backend=moe_backend,
                       allow_activation_quantization=allow_activation_quantization,
-                      weights=weights, router_weight=layer.router_weight,
+                      weights=Int4MoEWeights.from_layer(layer), router_weight=layer.router_weight,
                       correction_bias=corr, rngs=rngs, **opts)
 
 

@@ -16,8 +16,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_moeq.nn import _backends
-from jax_moeq.nn.moe import MoESpec, SCHEMES
+from jax_moeq import dispatch
+from jax_moeq.experts.unquantized import FLOAT_IMPLS
+from jax_moeq.nn.moe import MoESpec, _check_scheme_group
+from jax_moeq.weights import FloatMoEWeights, quantize_moe_weights
 
 QUANTIZED_COLLECTION = "quantized"
 
@@ -51,7 +53,7 @@ class _LinenMoEBase(nn.Module):
     # The attributes above are MoESpec's fields, under the same names.
     return MoESpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MoESpec)})
 
-  def _tokens_and_routing(self, spec: MoESpec, x, router_logits):
+  def _tokens_and_logits(self, spec: MoESpec, x, router_logits):
     if x.shape[-1] != spec.hidden_size:
       raise ValueError(f"x must end in hidden_size={spec.hidden_size}, got shape {x.shape}")
     lead = x.shape[:-1]
@@ -66,27 +68,41 @@ class _LinenMoEBase(nn.Module):
         raise ValueError(f"router_logits must have shape {lead + (spec.num_experts,)}, got "
                          f"{router_logits.shape}")
       logits = router_logits.reshape(-1, spec.num_experts)
-    bias = None
-    if spec.e_score_correction_bias:
-      bias = self.param("e_score_correction_bias", nn.initializers.zeros, (spec.num_experts,),
-                        jnp.float32)
-    topk_weights, topk_ids = _backends.select_experts(
-        logits, spec.top_k, renormalize=spec.renormalize, scoring_func=spec.scoring_func,
-        use_grouped_topk=spec.use_grouped_topk, num_expert_group=spec.num_expert_group,
-        topk_group=spec.topk_group, e_score_correction_bias=bias,
-        routed_scaling_factor=spec.routed_scaling_factor)
-    return tokens, logits, topk_weights, topk_ids, lead
+    return tokens, logits, lead
+
+  def _correction_bias(self, spec: MoESpec):
+    if not spec.e_score_correction_bias:
+      return None
+    return self.param("e_score_correction_bias", nn.initializers.zeros, (spec.num_experts,),
+                      jnp.float32)
+
+  def _run(self, choice: dispatch.ExpertsChoice, x, router_logits, arrays_fn):
+    """Routing and the chosen experts on the arrays `arrays_fn()` gives (after the router's
+    params, so the variables keep their order)."""
+    spec = self.spec
+    tokens, logits, lead = self._tokens_and_logits(spec, x, router_logits)
+    bias = self._correction_bias(spec)
+    y = choice.experts.apply(tokens, logits, arrays_fn(), spec.routing, bias)
+    return y.reshape(*lead, spec.hidden_size)
 
 
 class MoE(_LinenMoEBase):
-  """Float MoE block (linen). See `jax_moeq.nn.MoE`."""
+  """Float MoE block (linen). See `jax_moeq.nn.MoE`; `float_impl` as there."""
+
+  float_impl: str = "auto"
 
   @nn.compact
   def __call__(self, x, router_logits=None):
     spec = self.spec
+    if self.float_impl not in FLOAT_IMPLS:
+      raise ValueError(f"float_impl={self.float_impl!r} is not one of {FLOAT_IMPLS}")
+    choice = dispatch.choose_experts("unquantized", spec.layer(self.dtype),
+                                     float_impl=self.float_impl)
+    return self._run(choice, x, router_logits, lambda: choice.experts.prepare(
+        self._float_weights(spec)))
+
+  def _float_weights(self, spec: MoESpec) -> FloatMoEWeights:
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    tokens, logits, topk_weights, topk_ids, lead = self._tokens_and_routing(spec, x,
-                                                                          router_logits)
     w13 = self.param("w13", _expert_init(), (e, 2 * i, h), self.param_dtype)
     w2 = self.param("w2", _expert_init(), (e, h, i), self.param_dtype)
     b13 = b2 = None
@@ -94,10 +110,7 @@ class MoE(_LinenMoEBase):
       b13 = self.param("w13_bias", nn.initializers.zeros, (e, 2 * i), self.param_dtype)
       b2 = self.param("w2_bias", nn.initializers.zeros, (e, h), self.param_dtype)
     cast = lambda v: None if v is None else v.astype(self.dtype)
-    y = _backends.float_moe(tokens, topk_ids, topk_weights, cast(w13), cast(w2), cast(b13),
-                            cast(b2), activation=spec.activation,
-                            apply_router_weight_on_input=spec.apply_router_weight_on_input)
-    return y.reshape(*lead, h)
+    return FloatMoEWeights(cast(w13), cast(w2), cast(b13), cast(b2))
 
 
 class QuantizedMoE(_LinenMoEBase):
@@ -108,43 +121,36 @@ class QuantizedMoE(_LinenMoEBase):
   moe_backend: str = "auto"
   allow_activation_quantization: bool = False
 
-  def _choice(self, spec: MoESpec) -> _backends.BackendChoice:
-    if self.scheme not in SCHEMES:
-      raise ValueError(f"scheme={self.scheme!r} is not one of {SCHEMES}")
-    return _backends.choose_backend(spec, self.scheme, self.group_size, self.dtype,
-                                    self.moe_backend, self.allow_activation_quantization)
+  def _choice(self, spec: MoESpec) -> dispatch.ExpertsChoice:
+    _check_scheme_group(self.scheme, self.group_size, spec.hidden_size, spec.intermediate_size)
+    return dispatch.choose_experts(
+        self.scheme, spec.layer(self.dtype), group_size=self.group_size,
+        moe_backend=self.moe_backend,
+        allow_activation_quantization=self.allow_activation_quantization)
 
-  def _random_arrays(self, spec: MoESpec, choice):
+  def _random_arrays(self, spec: MoESpec, choice: dispatch.ExpertsChoice):
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     rng = self.make_rng("params")
     k13, k2 = jax.random.split(rng)
     w13 = _expert_init()(k13, (e, 2 * i, h), jnp.float32)
     w2 = _expert_init()(k2, (e, h, i), jnp.float32)
     zeros = (lambda *s: jnp.zeros(s, jnp.float32)) if spec.use_bias else (lambda *s: None)
-    weights = _backends.quantize_experts(w13, w2, self.group_size, self.scheme, zeros(e, 2 * i),
-                                         zeros(e, h))
-    return _backends.prepare(choice, weights, spec)
+    float_weights = FloatMoEWeights(w13, w2, zeros(e, 2 * i), zeros(e, h))
+    return choice.experts.prepare(quantize_moe_weights(float_weights, self.group_size))
 
   @nn.compact
   def __call__(self, x, router_logits=None):
     spec = self.spec
     choice = self._choice(spec)
-    tokens, logits, topk_weights, topk_ids, lead = self._tokens_and_routing(spec, x,
-                                                                          router_logits)
-    arrays = self.variable(QUANTIZED_COLLECTION, "experts",
-                           lambda: self._random_arrays(spec, choice)).value
-    y = _backends.apply(choice.backend, arrays, tokens, topk_ids, topk_weights, spec,
-                        self.scheme, self.group_size, logits=logits)
-    return y.reshape(*lead, spec.hidden_size)
+    return self._run(choice, x, router_logits, lambda: self.variable(
+        QUANTIZED_COLLECTION, "experts", lambda: self._random_arrays(spec, choice)).value)
 
   def quantize_variables(self, float_variables) -> dict:
     """Variables of this block holding `float_variables` (of a linen `MoE` with the same
     shape) quantized: {"params": router and correction bias, "quantized": packed experts}."""
     params = dict(float_variables["params"])
-    spec = self.spec
-    choice = self._choice(spec)
-    weights = _backends.quantize_experts(params.pop("w13"), params.pop("w2"), self.group_size,
-                                         self.scheme, params.pop("w13_bias", None),
-                                         params.pop("w2_bias", None))
-    arrays = _backends.prepare(choice, weights, spec)
+    choice = self._choice(self.spec)
+    float_weights = FloatMoEWeights(params.pop("w13"), params.pop("w2"),
+                                    params.pop("w13_bias", None), params.pop("w2_bias", None))
+    arrays = choice.experts.prepare(quantize_moe_weights(float_weights, self.group_size))
     return {"params": params, QUANTIZED_COLLECTION: {"experts": arrays}}

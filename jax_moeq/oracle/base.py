@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moeq import routing as routing_lib
 from jax_moeq.routing import RoutingMethodType
 
 logger = logging.getLogger("jax_moeq.oracle")
@@ -444,6 +445,79 @@ def routing_method_for(*, renormalize: bool, scoring_func: str = "softmax",
   raise ValueError(f"scoring_func={scoring_func!r} is not one of ('softmax', 'sigmoid')")
 
 
+# ------------------------------------------------------------------ routing options
+@dataclasses.dataclass(frozen=True)
+class RoutingOptions:
+  """A layer's `routing.select_experts` options (SPEC §5), static and hashable.
+
+  The correction bias is an array and is passed per call; `has_correction_bias` says whether
+  the layer has one (its presence decides the kernel-side routing method).
+  """
+  top_k: int
+  renormalize: bool = True
+  scoring_func: str = "softmax"
+  use_grouped_topk: bool = False
+  num_expert_group: int | None = None
+  topk_group: int | None = None
+  routed_scaling_factor: float = 1.0
+  has_correction_bias: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool):
+      raise TypeError(f"top_k must be an int, got {self.top_k!r}")
+    if self.scoring_func not in ("softmax", "sigmoid"):
+      raise ValueError(f"scoring_func={self.scoring_func!r} is not one of ('softmax', 'sigmoid')")
+    if self.has_correction_bias and not self.use_grouped_topk:
+      raise ValueError("e_score_correction_bias is only used with use_grouped_topk=True")
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    set_("top_k", int(self.top_k))
+    for name in ("renormalize", "use_grouped_topk", "has_correction_bias"):
+      set_(name, bool(getattr(self, name)))
+    set_("routed_scaling_factor", float(self.routed_scaling_factor))
+
+  @property
+  def routing_method(self) -> RoutingMethodType:
+    """The method these options compute (what host-routed experts are asked to support)."""
+    return routing_method_for(renormalize=self.renormalize, scoring_func=self.scoring_func,
+                              use_grouped_topk=self.use_grouped_topk)
+
+  @property
+  def kernel_routing_method(self) -> RoutingMethodType | None:
+    """The kernel-side method (`routing.route`) giving these options' result, or None.
+
+    softmax -> top-k -> renormalize equals top-k -> softmax over the k (softmax is monotone),
+    so it maps to Renormalize; grouped sigmoid with a correction bias and renormalization is
+    DeepSeekV3. Anything else (a scaling factor without groups, sigmoid without groups,
+    grouped softmax, grouped without bias or renormalization) has no kernel-side method.
+    """
+    if self.use_grouped_topk:
+      if self.scoring_func == "sigmoid" and self.has_correction_bias and self.renormalize:
+        return RoutingMethodType.DeepSeekV3
+      return None
+    if self.scoring_func != "softmax" or self.routed_scaling_factor != 1.0:
+      return None
+    return RoutingMethodType.Renormalize if self.renormalize else RoutingMethodType.Default
+
+  def kernel_routing_kwargs(self) -> dict[str, Any]:
+    """`routing.route` / kernel keyword arguments (groups and scaling) besides the bias."""
+    if self.kernel_routing_method == RoutingMethodType.DeepSeekV3:
+      return dict(num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                  routed_scaling_factor=self.routed_scaling_factor)
+    return dict(num_expert_group=None, topk_group=None, routed_scaling_factor=None)
+
+  def select(self, router_logits: Any, e_score_correction_bias: Any = None) -> tuple[Any, Any]:
+    """`routing.select_experts` with these options: (topk_weights f32, topk_ids int32) [T, K]."""
+    if (e_score_correction_bias is not None) != self.has_correction_bias:
+      want = "an [E] array" if self.has_correction_bias else "None"
+      raise ValueError(f"e_score_correction_bias must be {want} for routing options with "
+                       f"has_correction_bias={self.has_correction_bias}")
+    return routing_lib.select_experts(
+        router_logits, self.top_k, renormalize=self.renormalize, scoring_func=self.scoring_func,
+        use_grouped_topk=self.use_grouped_topk, num_expert_group=self.num_expert_group,
+        topk_group=self.topk_group, e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=self.routed_scaling_factor)
+
+
 # ------------------------------------------------------------------ selection
 BackendT = TypeVar("BackendT", bound=enum.Enum)
 
@@ -466,7 +540,7 @@ def map_backend_name(scheme_name: str, moe_backend: str,
   return backend
 
 
-def _first_fit(classes: Sequence[type], config: MoEConfig, weight_key, activation_key
+def first_fit(classes: Sequence[type], config: MoEConfig, weight_key, activation_key
                ) -> tuple[type | None, str | None]:
   """The first class that fits, or (None, the last class's reason)."""
   reason = None
@@ -510,7 +584,7 @@ def select_backend(
   """
   if config.moe_backend != AUTO:
     backend = map_backend(config.moe_backend)
-    cls, reason = _first_fit(backend_to_kernel_cls(backend), config, weight_key, activation_key)
+    cls, reason = first_fit(backend_to_kernel_cls(backend), config, weight_key, activation_key)
     if cls is None:
       raise ValueError(unsupported_message(scheme_name, backend, reason))
     log_once(logging.INFO, f"Using {backend.name} {scheme_name} MoE backend "
@@ -522,7 +596,7 @@ def select_backend(
         (b for b in priority_backends if b.name == REFERENCE_BACKEND_NAME), None)
   rejected: list[str] = []
   for backend in priority_backends:
-    cls, reason = _first_fit(backend_to_kernel_cls(backend), config, weight_key, activation_key)
+    cls, reason = first_fit(backend_to_kernel_cls(backend), config, weight_key, activation_key)
     if cls is None:
       log_once(logging.DEBUG, unsupported_message(scheme_name, backend, reason))
       rejected.append(f"{backend.name}: {reason}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+from jax_moeq.experts import mxint4 as experts
+from jax_moeq.ops import mxint4_gpu
 from jax_moeq.oracle import base
 from jax_moeq.oracle.base import MoEConfig, MoEQuantConfig, QuantKey
 
@@ -35,7 +37,6 @@ def _get_priority_backends(config: MoEConfig) -> list[MxInt4MoeBackend]:
 
 def backend_to_kernel_cls(backend: MxInt4MoeBackend) -> list[type]:
   """The experts classes implementing `backend`, in the order they are tried."""
-  from jax_moeq.experts import mxint4 as experts
   if backend == MxInt4MoeBackend.HOPPER_MXINT4:
     return [experts.HopperMxInt4Experts]
   if backend == MxInt4MoeBackend.REFERENCE:
@@ -46,6 +47,7 @@ def backend_to_kernel_cls(backend: MxInt4MoeBackend) -> list[type]:
 _BACKEND_NAMES = {
     "hopper_mxint4": MxInt4MoeBackend.HOPPER_MXINT4,
     "hopper": MxInt4MoeBackend.HOPPER_MXINT4,
+    "mxint4_gpu": MxInt4MoeBackend.HOPPER_MXINT4,
     "cuda": MxInt4MoeBackend.HOPPER_MXINT4,
     "reference": MxInt4MoeBackend.REFERENCE,
     "jnp": MxInt4MoeBackend.REFERENCE,
@@ -84,7 +86,6 @@ def convert_to_mxint4_moe_kernel_format(backend: MxInt4MoeBackend | str, gemm1_w
   REFERENCE the dict {w13_q, w13_scale, w2_q, w2_scale} of canonical int4-as-int8 weights."""
   if isinstance(backend, str):
     backend = map_mxint4_backend(backend)
-  from jax_moeq.ops import mxint4_gpu
   prepared = mxint4_gpu.prepare_static_weights_for_mxint4_moe(gemm1_weights, gemm1_scales,
                                                              gemm2_weights, gemm2_scales)
   if backend == MxInt4MoeBackend.HOPPER_MXINT4:

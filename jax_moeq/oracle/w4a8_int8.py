@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 
+from jax_moeq.experts.cpu_int4 import CPUExpertsInt4
+from jax_moeq.experts.reference import ReferenceExpertsW4A8
 from jax_moeq.oracle import base
 from jax_moeq.oracle.base import MoEConfig, MoEQuantConfig, QuantKey
 from jax_moeq.ops.w4a8_cpu import convert_to_w4a8_int8_moe_format
@@ -36,10 +38,8 @@ def _get_priority_backends(config: MoEConfig) -> list[W4A8Int8MoeBackend]:
 def backend_to_kernel_cls(backend: W4A8Int8MoeBackend) -> list[type]:
   """The experts classes implementing `backend`, in the order they are tried."""
   if backend == W4A8Int8MoeBackend.CPU_INT4:
-    from jax_moeq.experts.cpu_int4 import CPUExpertsInt4
     return [CPUExpertsInt4]
   if backend == W4A8Int8MoeBackend.REFERENCE:
-    from jax_moeq.experts.reference import ReferenceExpertsW4A8
     return [ReferenceExpertsW4A8]
   raise ValueError(f"Unknown {SCHEME_NAME} MoE backend: {backend!r}")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+from jax_moeq.experts import marlin
+from jax_moeq.ops import wna16_gpu
 from jax_moeq.oracle import base
 from jax_moeq.oracle.base import MoEConfig, MoEQuantConfig, QuantKey
 
@@ -38,7 +40,6 @@ def _get_priority_backends(config: MoEConfig) -> list[WNA16MoeBackend]:
 
 def backend_to_kernel_cls(backend: WNA16MoeBackend) -> list[type]:
   """The experts classes implementing `backend`, in the order they are tried."""
-  from jax_moeq.experts import marlin
   if backend == WNA16MoeBackend.MARLIN:
     return [marlin.MarlinExperts]
   if backend == WNA16MoeBackend.BATCHED_MARLIN:
@@ -86,7 +87,6 @@ def select_wna16_moe_backend(config: MoEConfig, weight_key: QuantKey | None,
 
 def convert_to_wna16_moe_kernel_format(backend, *args, **kwargs):
   """GPTQ tensors -> the backend's format (`ops.wna16_gpu.convert_to_wna16_moe_kernel_format`)."""
-  from jax_moeq.ops import wna16_gpu
   return wna16_gpu.convert_to_wna16_moe_kernel_format(backend, *args, **kwargs)
 
 
