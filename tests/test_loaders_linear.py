@@ -362,3 +362,38 @@ def test_load_moe_checkpoint_config_error_names_config_file(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": 5}}))
   with pytest.raises(ConfigError, match=r"config\.json: unsupported quantization_config"):
     load_moe_checkpoint(tmp_path, show_progress=False)
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_our_gptq_writer_matches_independent_dequantizer(tmp_path, desc_act):
+  from jax_moeq.loaders import MoELayerTensors, save_moe_checkpoint
+  rng = np.random.default_rng(8)
+  e, h, i, g = 2, 128, 64, 32
+
+  def order(k):
+    groups = np.arange(k) // g
+    return np.stack([rng.permutation(groups) if desc_act else groups for _ in range(e)])
+
+  layer = MoELayerTensors(
+      w13=rng.integers(-8, 8, (e, 2 * i, h)).astype(np.int8),
+      w2=rng.integers(-8, 8, (e, h, i)).astype(np.int8),
+      w13_scale=rng.uniform(0.01, 0.1, (e, 2 * i, h // g)).astype(np.float16),
+      w2_scale=rng.uniform(0.01, 0.1, (e, h, i // g)).astype(np.float16), group_size=g,
+      w13_g_idx=order(h).astype(np.int32) if desc_act else None,
+      w2_g_idx=order(i).astype(np.int32) if desc_act else None)
+  save_moe_checkpoint(tmp_path, {0: layer}, fmt="gptq", show_progress=False)
+  cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+  assert cfg["desc_act"] == desc_act and cfg["sym"] is True and cfg["bits"] == 4
+  ckpt = SafetensorsDir(tmp_path)
+  for x in range(e):
+    for proj, q, s, gi in (
+        ("up_proj", layer.w13[x, i:], layer.w13_scale[x, i:], layer.w13_g_idx),
+        ("down_proj", layer.w2[x], layer.w2_scale[x], layer.w2_g_idx)):
+      p = f"model.layers.0.mlp.experts.{x}.{proj}"
+      t = {k: ckpt.get(f"{p}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
+      assert t["qweight"].dtype == np.int32 and t["qweight"].shape == (q.shape[1] // 8, q.shape[0])
+      assert t["qzeros"].shape == (q.shape[1] // g, q.shape[0] // 8)
+      got = _deq_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"])
+      want_g = np.arange(q.shape[1]) // g if gi is None else gi[x]
+      np.testing.assert_array_equal(t["g_idx"], want_g)
+      np.testing.assert_array_equal(got, q * s.astype(np.float64)[:, want_g])

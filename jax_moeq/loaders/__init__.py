@@ -10,8 +10,8 @@
 
 from jax_moeq.loaders.checkpoint import (
     FUSED_LAYOUTS, STORAGES, WRITE_FORMATS, ExpertsLayout, MoECheckpoint, MoELayerTensors,
-    discover_moe_layers, find_moe_layout, layer_tensors, load_moe_checkpoint, load_moe_layer,
-    quant_config_for, save_moe_checkpoint)
+    discover_moe_layers, find_moe_layout, float_linear_modules, layer_tensors,
+    load_moe_checkpoint, load_moe_layer, quant_config_for, save_moe_checkpoint)
 from jax_moeq.loaders.config import (
     CheckpointQuantConfig, ConfigError, MissingFieldError, MoEModelConfig, match_module_name,
     parse_model_config, parse_quantization_config, read_config_json)

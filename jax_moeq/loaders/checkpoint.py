@@ -22,7 +22,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -604,8 +604,10 @@ def layer_tensors(layer: MoELayerTensors, experts_prefix: str, fmt: str,
 
 
 def quant_config_for(fmt: str, layers: Mapping[int, MoELayerTensors],
-                     activation_bits: int | None = None) -> CheckpointQuantConfig:
-  """The `CheckpointQuantConfig` that describes `layers` written as `fmt`."""
+                     activation_bits: int | None = None,
+                     ignore: Sequence[str] = ()) -> CheckpointQuantConfig:
+  """The `CheckpointQuantConfig` that describes `layers` written as `fmt` (`ignore`: the linear
+  modules left float, for compressed-tensors)."""
   if fmt == "float":
     return CheckpointQuantConfig()
   sizes = {l.group_size for l in layers.values()}
@@ -620,7 +622,16 @@ def quant_config_for(fmt: str, layers: Mapping[int, MoELayerTensors],
   scheme = {"gptq": "wna16", "mxint4": "mxint4"}.get(
       fmt, "w4a8_int8" if activation_bits == 8 else "wna16")
   return CheckpointQuantConfig(quant_method=method, group_size=sizes.pop(), act_order=act_order,
-                               activation_bits=activation_bits, scheme=scheme)
+                               activation_bits=activation_bits, scheme=scheme,
+                               ignore=tuple(ignore) if method != "gptq" else ())
+
+
+def float_linear_modules(tensors: Mapping[str, np.ndarray]) -> list[str]:
+  """Modules stored as a 2-D float `{module}.weight`: the ones a quantization config must list as
+  ignored (routers, and attention / LM head / embeddings passed as extra tensors)."""
+  return sorted(name[:-len(".weight")] for name, t in tensors.items()
+                if name.endswith(".weight") and np.ndim(t) == 2
+                and quantized.is_float_dtype(np.asarray(t).dtype))
 
 
 def save_moe_checkpoint(path: str | Path, layers: Mapping[int, MoELayerTensors], *,
@@ -630,6 +641,7 @@ def save_moe_checkpoint(path: str | Path, layers: Mapping[int, MoELayerTensors],
                         naming: str = "gate_proj",
                         extra_tensors: Mapping[str, np.ndarray] | None = None,
                         extra_config: Mapping[str, Any] | None = None,
+                        ignore: Sequence[str] | None = None,
                         max_shard_bytes: int = 2 << 30, show_progress: bool = True) -> Path:
   """Writes MoE layers as a safetensors checkpoint directory with `config.json`.
 
@@ -643,6 +655,9 @@ def save_moe_checkpoint(path: str | Path, layers: Mapping[int, MoELayerTensors],
     experts_prefix: name template with `{layer}`; `naming` "gate_proj" or "w1" (Mixtral).
     extra_tensors: other model tensors (embeddings, attention, norms) written as they are.
     extra_config: more config.json fields (e.g. attention sizes of the example model).
+    ignore: compressed-tensors `ignore` (modules left float). Default: every module written as a
+      2-D float `.weight` (routers, and extra tensors such as attention and lm_head), so that
+      transformers and vLLM load a whole model whose experts alone are int4.
     max_shard_bytes: files are split above this size, with a `model.safetensors.index.json`.
   """
   st_numpy = _safetensors_numpy()
@@ -653,7 +668,7 @@ def save_moe_checkpoint(path: str | Path, layers: Mapping[int, MoELayerTensors],
     raise ValueError("layers mix float and int4 experts; write them as one kind")
   if fmt is None:
     fmt = "compressed-tensors" if kinds.pop() else "float"
-  qcfg = quant_config_for(fmt, layers, activation_bits)
+  quant_config_for(fmt, layers, activation_bits)  # fails early on a bad combination
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors: dict[str, np.ndarray] = dict(extra_tensors or {})
@@ -661,6 +676,8 @@ def save_moe_checkpoint(path: str | Path, layers: Mapping[int, MoELayerTensors],
     for index, layer in sorted(layers.items()):
       tensors.update(layer_tensors(layer, experts_prefix.format(layer=index), fmt, naming))
       bar.update(note=f"layer {index}")
+  qcfg = quant_config_for(fmt, layers, activation_bits,
+                          float_linear_modules(tensors) if ignore is None else ignore)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name in sorted(tensors):
