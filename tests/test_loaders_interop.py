@@ -25,8 +25,8 @@ from torch import nn  # noqa: E402
 
 from jax_moeq.loaders import (  # noqa: E402
     MoELayerTensors, MoEModelConfig, SafetensorsDir, dequantize_int4, discover_moe_layers,
-    load_moe_checkpoint, parse_quantization_config, read_config_json, read_linear,
-    save_moe_checkpoint)
+    load_moe_checkpoint, load_moe_layer, parse_quantization_config, read_config_json,
+    read_linear, save_moe_checkpoint)
 
 BF16 = ml_dtypes.bfloat16
 E, H, I, V = 4, 256, 128, 32
@@ -269,3 +269,39 @@ def test_transformers_loads_our_whole_model_checkpoint(tmp_path):
     assert torch.equal(loaded.model.layers[index].self_attn.q_proj.weight,
                        model.model.layers[index].self_attn.q_proj.weight)
   assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_transformers_float_experts_on_disk_and_in_memory_layouts(tmp_path, arch):
+  """save_pretrained writes per-expert tensors; a raw state dict holds transformers 5's fused
+  [E, 2I, H] gate_up_proj (gate rows then up, not interleaved) and [E, H, I] down_proj. With
+  H == 2I, gate_up_proj's shape alone would fit GPT-OSS's [E, H, 2I] too: down_proj decides."""
+  transformers = pytest.importorskip("transformers", reason="transformers' own layouts")
+  h, i = 64, 32
+  common = dict(vocab_size=V, hidden_size=h, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_experts_per_tok=2)
+  if arch == "qwen3_moe":
+    cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=i, num_experts=E, **common)
+    model_cls = transformers.Qwen3MoeForCausalLM
+  else:
+    cfg = transformers.MixtralConfig(intermediate_size=i, num_local_experts=E, **common)
+    model_cls = transformers.MixtralForCausalLM
+  torch.manual_seed(2)
+  model = model_cls(cfg)
+  experts = model.model.layers[0].mlp.experts
+  want13 = experts.gate_up_proj.detach().numpy()  # [E, 2I, H]
+  want2 = experts.down_proj.detach().numpy()  # [E, H, I]
+  assert want13.shape == (E, 2 * i, h) and want2.shape == (E, h, i)
+  model.save_pretrained(str(tmp_path / "saved"))
+  (tmp_path / "raw").mkdir()
+  st_torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                     str(tmp_path / "raw" / "model.safetensors"))
+  for sub, storage in (("saved", "per_expert"), ("raw", "fused")):
+    ckpt = SafetensorsDir(tmp_path / sub)
+    layout = discover_moe_layers(ckpt)[0]
+    assert layout.storage == storage
+    layer = load_moe_layer(ckpt, layout, parse_quantization_config(None))
+    np.testing.assert_array_equal(layer.w13, want13)
+    np.testing.assert_array_equal(layer.w2, want2)
+    np.testing.assert_array_equal(layer.router_weight,
+                                  model.model.layers[0].mlp.gate.weight.detach().numpy())

@@ -8,6 +8,8 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -397,3 +399,36 @@ def test_our_gptq_writer_matches_independent_dequantizer(tmp_path, desc_act):
       want_g = np.arange(q.shape[1]) // g if gi is None else gi[x]
       np.testing.assert_array_equal(t["g_idx"], want_g)
       np.testing.assert_array_equal(got, q * s.astype(np.float64)[:, want_g])
+
+
+_DTYPES = [np.int32, np.uint8, np.int64, np.float32, np.float16, BF16]
+_SUFFIXES = ["weight", "weight_packed", "weight_scale", "weight_shape", "weight_g_idx",
+             "weight_zero_point", "qweight", "qzeros", "scales", "g_idx", "bias"]
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(
+    st.sampled_from(_SUFFIXES),
+    st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 9), min_size=1, max_size=3),
+              st.integers(0, 2**31 - 1)), min_size=1, max_size=5),
+    st.sampled_from(["none", "ct", "gptq"]))
+def test_arbitrary_tensors_either_read_or_raise_value_error(tmp_path, spec, method):
+  tensors = {}
+  for suffix, (dtype, shape, seed) in spec.items():
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind in "iu":
+      info = np.iinfo(dtype)
+      value = rng.integers(max(info.min, -9), min(info.max, 2**31 - 1), shape, endpoint=True)
+      tensors[f"l.{suffix}"] = value.astype(dtype)
+    else:
+      tensors[f"l.{suffix}"] = rng.normal(size=shape).astype(dtype)
+  qc = {"none": None, "ct": _ct_config(32),
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}}[method]
+  ckpt = _write(tmp_path, tensors)
+  try:
+    w, b = read_linear(ckpt, "l", parse_quantization_config(qc))
+  except ValueError as e:  # CheckpointFormatError among them
+    assert "'l" in str(e) or "l." in str(e), str(e)
+    return
+  assert w.ndim == 2 and w.dtype == np.float32 and (b is None or b.shape == w.shape[:1])

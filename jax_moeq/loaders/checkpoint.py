@@ -304,10 +304,13 @@ def _read(ckpt: SafetensorsDir, prefix: str, qcfg: CheckpointQuantConfig) -> _Pr
 
 
 def _same_kind(projs: list[_Proj], where: str) -> None:
-  kinds = {(p.w.dtype == np.int8, p.group_size) for p in projs}
+  """One storage for all: float of one dtype, or int4 of one group size and scale dtype."""
+  kinds = {(str(p.w.dtype), p.group_size, None if p.scale is None else str(p.scale.dtype))
+           for p in projs}
   if len(kinds) != 1:
-    raise ValueError(f"{where}: projections mix float and int4 (or group sizes): "
-                     f"{sorted(kinds, key=str)}")
+    described = sorted(f"{w}" if g is None else f"int4 group {g}, {s} scales" for w, g, s in kinds)
+    raise ValueError(f"{where}: projections mix float and int4, dtypes or group sizes: "
+                     f"{', '.join(described)}")
 
 
 def _join_gate_up(gate: _Proj, up: _Proj, where: str) -> _Proj:
@@ -341,6 +344,9 @@ def _stack(parts: list[np.ndarray | None], what: str) -> np.ndarray | None:
 def _stack_projs(projs: list[_Proj], where: str) -> _Proj:
   """Per-expert projections -> one [E, ...] projection."""
   _same_kind(projs, where)
+  shapes = sorted({p.w.shape for p in projs})
+  if len(shapes) != 1:
+    raise ValueError(f"{where}: experts have different shapes {shapes}")
   g_idx = [p.g_idx for p in projs]
   if any(g is not None for g in g_idx):
     # Experts without act-order next to experts with it: give them the trivial order.

@@ -46,7 +46,7 @@ def unpack_uint4b8(packed: np.ndarray, axis: int = -1) -> np.ndarray:
   u = np.moveaxis(packed.view(np.uint32), axis, -1)
   shifts = (4 * np.arange(8, dtype=np.uint32))
   nibbles = (u[..., None] >> shifts) & 0xF
-  q = (nibbles.astype(np.int8) - 8).reshape(*u.shape[:-1], -1)
+  q = (nibbles.astype(np.int8) - 8).reshape(*u.shape[:-1], 8 * u.shape[-1])
   return np.moveaxis(q, -1, axis)
 
 
@@ -70,7 +70,7 @@ def unpack_signed_nibbles(packed: np.ndarray) -> np.ndarray:
   # Sign-extend the 4-bit two's complement.
   lo = np.where(lo > 7, lo - 16, lo).astype(np.int8)
   hi = np.where(hi > 7, hi - 16, hi).astype(np.int8)
-  return np.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], -1)
+  return np.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def deinterleave_gate_up(w: np.ndarray, axis: int) -> np.ndarray:

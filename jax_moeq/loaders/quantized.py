@@ -110,15 +110,24 @@ def _fail(ckpt: SafetensorsDir, name: str, message: str) -> CheckpointFormatErro
                                tensor=name)
 
 
+def _get(ckpt: SafetensorsDir, name: str) -> np.ndarray:
+  """A tensor that the storage requires: its absence is a format error, not a KeyError."""
+  if name not in ckpt:
+    owner = name.rsplit(".", 1)[0]
+    raise CheckpointFormatError(f"is missing: {owner!r} is stored int4 and needs it",
+                                path=ckpt.path, tensor=name)
+  return ckpt.get(name)
+
+
 def _integer(ckpt: SafetensorsDir, name: str, kinds: str = "iu") -> np.ndarray:
-  a = ckpt.get(name)
+  a = _get(ckpt, name)
   if a.dtype.kind not in kinds:
     raise _fail(ckpt, name, f"must hold integers, has dtype {a.dtype}")
   return a
 
 
 def _float_tensor(ckpt: SafetensorsDir, name: str) -> np.ndarray:
-  a = ckpt.get(name)
+  a = _get(ckpt, name)
   if not is_float_dtype(a.dtype):
     raise _fail(ckpt, name, f"must be floating point, has dtype {a.dtype}")
   return a
