@@ -1,0 +1,420 @@
+"""End-to-end prefill and decode tok/s of a Qwen3-30B-A3B-shaped model: float vs int4 MoE blocks.
+
+The model is `jax_moeq.models.from_config` with random weights (std 0.02) and Qwen3-30B-A3B's
+shapes (hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 heads, 4 kv heads, head_dim 128,
+vocab 151936, RMSNorm eps 1e-6, rope_theta 1e6, norm_topk_prob) but only `--layers` layers (2 by
+default; the full model has 48). Every variant is built in the same process and timed with
+`models.generate` (greedy, compile excluded) in interleaved repeats; the median and the best of
+the repeats are reported. Variants:
+
+  float             the float MoE block with its automatic strategy (CPU default)
+  float_ragged_dot  the float MoE block forced to `jax.lax.ragged_dot` (GPU default)
+  w4a8_int8         experts quantized to int4 on load, the CPU W4A8 kernel (CPU default)
+  wna16, mxint4     experts quantized to int4 on load, the GPU kernels (GPU defaults)
+
+Besides tok/s each row carries the MoE blocks' share of a decode step (one block timed alone at
+the decode shape, times the layers) and the weight bytes a decode step reads (experts touched,
+attention, LM head): at a few layers the LM head and attention, which stay float in every variant,
+bound what int4 experts can gain end to end.
+
+Run: python benchmarks/model_bench.py [--layers 2] [--batch 1,16] [--json rows.json]
+     JAX_PLATFORMS=cuda python benchmarks/model_bench.py --variants float_ragged_dot,wna16,mxint4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jax_moeq import models  # noqa: E402
+
+# variant -> (quantization on load, float MoE implementation)
+VARIANTS: dict[str, tuple[str | None, str]] = {
+    "float": (None, "auto"),
+    "float_ragged_dot": (None, "ragged_dot"),
+    "w4a8_int8": ("w4a8_int8", "auto"),
+    "wna16": ("wna16", "auto"),
+    "mxint4": ("mxint4", "auto"),
+}
+DEFAULT_VARIANTS = {"cpu": "float,w4a8_int8", "gpu": "float_ragged_dot,wna16,mxint4"}
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+# ------------------------------------------------------------------ the machine
+def _cpu_flags_and_model() -> tuple[str, set[str]]:
+  model, flags = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags = set(value.split())
+        if flags and model:
+          break
+  except OSError:
+    pass
+  return model, flags
+
+
+def _last_level_cache() -> str | None:
+  """Size of the highest cache level of cpu0, e.g. '32768K', from sysfs."""
+  best: tuple[int, str] | None = None
+  for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+    try:
+      level = int((index / "level").read_text())
+      size = (index / "size").read_text().strip()
+    except (OSError, ValueError):
+      continue
+    if best is None or level > best[0]:
+      best = (level, size)
+  return None if best is None else f"L{best[0]} {best[1]}"
+
+
+def _nvidia_smi() -> dict[str, str] | None:
+  fields = "name,clocks.sm,clocks.max.sm,clocks.mem,driver_version"
+  try:
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+  except (OSError, subprocess.SubprocessError):
+    return None
+  first = out.strip().splitlines()[0] if out.strip() else ""
+  values = [v.strip() for v in first.split(",")]
+  return dict(zip(fields.split(","), values)) if len(values) == 5 else None
+
+
+def _kernel_isa() -> str | None:
+  try:
+    from jax_moeq import _ffi
+    return str(_ffi.cpu_module().selected_isa())
+  except Exception:  # the CPU library is optional for GPU runs
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+  """CPU model, cores, ISA flags, LLC; the accelerator and its clocks (nvidia-smi) when present."""
+  cpu, flags = _cpu_flags_and_model()
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  info: dict[str, Any] = {
+      "cpu": cpu, "cores": cores, "isa": [f for f in ISA_FLAGS if f in flags],
+      "llc": _last_level_cache(), "kernel_isa": _kernel_isa(), "platform": jax.default_backend(),
+      "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+  if info["platform"] == "gpu":
+    info["nvidia_smi"] = _nvidia_smi()
+  return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+  """One short line naming the machine, printed beside every figure."""
+  if info["platform"] == "gpu":
+    smi = info.get("nvidia_smi") or {}
+    clocks = (f", SM {smi['clocks.sm']} (max {smi['clocks.max.sm']}), mem {smi['clocks.mem']}"
+              if smi else "")
+    return f"{smi.get('name', info['device'])}{clocks}"
+  isa = "+".join(f for f in info["isa"] if f != "avx512f") or "no avx2"
+  return (f"{info['cpu']}, {info['cores']} cores, {isa}, {info['llc'] or 'LLC ?'}, kernel "
+          f"{info['kernel_isa']}")
+
+
+# ------------------------------------------------------------------ the model
+def qwen3_30b_a3b_config(args: argparse.Namespace) -> dict[str, Any]:
+  """A qwen3_moe `config.json` with Qwen3-30B-A3B's shapes (overridable) and --layers layers."""
+  return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+          "hidden_size": args.hidden, "num_hidden_layers": args.layers,
+          "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+          "head_dim": args.head_dim, "vocab_size": args.vocab, "num_experts": args.experts,
+          "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_intermediate,
+          "intermediate_size": 6144, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+          "rope_theta": 1e6, "hidden_act": "silu", "decoder_sparse_step": 1,
+          "mlp_only_layers": [], "tie_word_embeddings": False, "max_position_embeddings": 40960}
+
+
+def _supports(fn, name: str) -> bool:
+  return name in inspect.signature(fn).parameters
+
+
+def force_float_impl(model: models.MoECausalLM, impl: str) -> str | None:
+  """Rebuilds the model's float MoE blocks with `float_impl=impl` (same weights); returns a note
+  when this jax_moeq has no `float_impl` (the blocks then keep their automatic strategy)."""
+  from jax_moeq import nn as moe_nn
+  if not _supports(moe_nn.MoE.__init__, "float_impl"):
+    return "jax_moeq.nn.MoE has no float_impl option: float blocks keep their automatic strategy"
+  from jax_moeq.weights import FloatMoEWeights
+  for layer in model.layers:
+    block = layer.mlp
+    if not isinstance(block, moe_nn.MoE) or getattr(block, "float_impl", None) == impl:
+      continue
+    spec = block.spec
+    layer.mlp = moe_nn.MoE(
+        spec.num_experts, spec.top_k, spec.hidden_size, spec.intermediate_size,
+        activation=spec.activation, renormalize=spec.renormalize, scoring_func=spec.scoring_func,
+        dtype=block.dtype, param_dtype=block.param_dtype, float_impl=impl,
+        weights=FloatMoEWeights(block.w13[...], block.w2[...]),
+        router_weight=block.router.kernel[...].T)
+    del block
+  return None
+
+
+def build_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace
+                  ) -> tuple[models.MoECausalLM, str | None]:
+  """(model, note): the same seed for every variant, so int4 variants quantize the float weights."""
+  quantization, impl = VARIANTS[name]
+  kw: dict[str, Any] = dict(dtype=args.dtype, quantization=quantization, seed=args.seed)
+  if impl != "auto" and _supports(models.from_config, "float_impl"):
+    return models.from_config(cfg, float_impl=impl, **kw), None
+  model = models.from_config(cfg, **kw)
+  note = force_float_impl(model, impl) if impl != "auto" else None
+  return model, note
+
+
+def decode_bytes(model: models.MoECausalLM, batch: int) -> dict[str, float]:
+  """Weight bytes one decode step reads: the experts that `batch` tokens route to (expected
+  distinct experts under uniform routing), the other weights whole, `batch` embedding rows."""
+  cfg = model.config
+  e, k = cfg.num_experts, cfg.top_k
+  touched = e * (1.0 - (1.0 - k / e) ** batch) / e  # expected fraction of experts hit
+  out = {"experts": 0.0, "lm_head": 0.0, "other": 0.0}
+  leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+  for path, leaf in leaves:
+    where = jax.tree_util.keystr(path)
+    nbytes = float(getattr(leaf, "nbytes", 0))
+    if "embed_tokens" in where:
+      out["other"] += nbytes * batch / cfg.vocab_size
+    elif "lm_head" in where:
+      out["lm_head"] += nbytes
+    elif ".mlp" in where or "'mlp'" in where:
+      out["experts" if "router" not in where else "other"] += nbytes * (
+          touched if "router" not in where else 1.0)
+    else:
+      out["other"] += nbytes
+  out["total"] = sum(out.values())
+  return out
+
+
+# ------------------------------------------------------------------ timing
+def generate_times(model: models.MoECausalLM, prompts: np.ndarray, steps: int
+                   ) -> tuple[float, float, float]:
+  """(compile, prefill, decode) seconds of one greedy `generate` of `steps` decode steps."""
+  out = models.generate(model, prompts, max_new_tokens=steps + 1)
+  decoded = int(np.asarray(out.num_tokens).min()) - 1
+  if decoded != steps:
+    raise RuntimeError(f"generate stopped after {decoded} of {steps} decode steps")
+  return out.compile_seconds, out.prefill_seconds, out.decode_seconds
+
+
+class _NoMoE(nnx.Module):
+  """Stands in for a layer's MLP block: adds nothing to the residual stream."""
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jnp.zeros_like(x)
+
+
+@contextlib.contextmanager
+def moe_blocks_off(model: models.MoECausalLM) -> Iterator[models.MoECausalLM]:
+  """The model with every MLP block swapped for `_NoMoE` (restored on exit): its decode step is
+  what attention, norms, embedding and LM head cost; the variants' steps minus it is their MoE."""
+  saved = [layer.mlp for layer in model.layers]
+  for layer in model.layers:
+    layer.mlp = _NoMoE()
+  try:
+    yield model
+  finally:
+    for layer, mlp in zip(model.layers, saved):
+      layer.mlp = mlp
+
+
+FLOOR = "no_moe"  # the first variant's model with its MLP blocks off
+
+
+def _timed(model: models.MoECausalLM, floor: bool):
+  """A call of `generate_times` on the model, or on it with its MLP blocks off."""
+  def call(prompts: np.ndarray, steps: int) -> tuple[float, float, float]:
+    if not floor:
+      return generate_times(model, prompts, steps)
+    with moe_blocks_off(model):
+      return generate_times(model, prompts, steps)
+  return call
+
+
+def bench_batch(built: dict[str, models.MoECausalLM], batch: int, args: argparse.Namespace,
+                machine: str) -> list[dict[str, Any]]:
+  """Interleaved repeats of every variant (and the no-MoE floor) at one batch size."""
+  first = next(iter(built.values()))
+  prompts = np.random.default_rng(args.seed).integers(
+      0, first.config.vocab_size, (batch, args.prompt_len), dtype=np.int32)
+  calls = {name: _timed(model, False) for name, model in built.items()}
+  if args.floor:
+    calls[FLOOR] = _timed(first, True)
+  compile_s: dict[str, float] = {}
+  for name, call in calls.items():
+    _timing.progress(f"batch {batch}: compiling {name}")
+    compile_s[name] = call(prompts, args.decode_steps)[0]
+  times: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+  for rep in range(args.repeats):
+    for name, call in calls.items():
+      _, prefill, decode = call(prompts, args.decode_steps)
+      times[name].append((prefill, decode))
+      _timing.progress(f"batch {batch} repeat {rep + 1}/{args.repeats} {name}: prefill "
+                       f"{prefill:.3f} s, decode {decode:.3f} s")
+  floor_step = (statistics.median(d for _, d in times[FLOOR]) / args.decode_steps
+                if FLOOR in times else None)
+  rows = []
+  for name in calls:
+    model = first if name == FLOOR else built[name]
+    prefill = [p for p, _ in times[name]]
+    decode = [d for _, d in times[name]]
+    step_s = statistics.median(decode) / args.decode_steps
+    nbytes = decode_bytes(model, batch)
+    if name == FLOOR:
+      nbytes = {k: (0.0 if k == "experts" else v) for k, v in nbytes.items()}
+      nbytes["total"] = nbytes["lm_head"] + nbytes["other"]
+    moe_s = None if floor_step is None or name == FLOOR else max(0.0, step_s - floor_step)
+    rows.append({
+        "variant": name, "batch": batch, "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps, "layers": model.config.num_layers,
+        "dtype": str(model.dtype),
+        "backends": {} if name == FLOOR else model.moe_backends(),
+        "compile_s": compile_s[name],
+        "prefill_tok_s": batch * args.prompt_len / statistics.median(prefill),
+        "prefill_tok_s_best": batch * args.prompt_len / min(prefill),
+        "decode_tok_s": batch * args.decode_steps / statistics.median(decode),
+        "decode_tok_s_best": batch * args.decode_steps / min(decode),
+        "decode_step_ms": 1e3 * step_s,
+        "moe_ms_per_step": None if moe_s is None else 1e3 * moe_s,
+        "moe_share": None if moe_s is None else moe_s / step_s,
+        "decode_read_mb": {k: v / 1e6 for k, v in nbytes.items()},
+        "decode_gb_s": nbytes["total"] / step_s / 1e9,
+        "repeats": args.repeats, "machine": machine})
+  return rows
+
+
+# ------------------------------------------------------------------ report
+def print_rows(rows: list[dict[str, Any]]) -> None:
+  header = ["variant", "batch", "prefill tok/s", "decode tok/s (best)", "step ms",
+            "MoE ms/step (share)", "read MB/step (experts/head/other)", "GB/s", "machine"]
+  table = []
+  for r in rows:
+    mb = r["decode_read_mb"]
+    share = ("—" if r["moe_share"] is None
+             else f"{r['moe_ms_per_step']:.1f} ({r['moe_share']:.0%})")
+    table.append([r["variant"], r["batch"], f"{r['prefill_tok_s']:.1f}",
+                  f"{r['decode_tok_s']:.1f} ({r['decode_tok_s_best']:.1f})",
+                  f"{r['decode_step_ms']:.1f}", share,
+                  f"{mb['experts']:.0f}/{mb['lm_head']:.0f}/{mb['other']:.0f}",
+                  f"{r['decode_gb_s']:.1f}", r["machine"]])
+  print(_timing.markdown_table(header, table))
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+  return "—" if a is None or not b else f"{a / b:.2f}x"
+
+
+def print_speedups(rows: list[dict[str, Any]], machine: str) -> None:
+  """Each int4 variant over the float variant of its batch: end to end, the MoE blocks' time per
+  decode step, and the end-to-end ceiling (the float step over the no-MoE floor)."""
+  for batch in sorted({r["batch"] for r in rows}):
+    at = {r["variant"]: r for r in rows if r["batch"] == batch}
+    base = next((at[v] for v in ("float", "float_ragged_dot") if v in at), None)
+    if base is None:
+      continue
+    floor = at.get(FLOOR)
+    for name, r in at.items():
+      if name == FLOOR or VARIANTS[name][0] is None:
+        continue
+      ceiling = None if floor is None else _ratio(base["decode_step_ms"], floor["decode_step_ms"])
+      print(f"batch {batch}: {name} vs {base['variant']}: decode "
+            f"{_ratio(r['decode_tok_s'], base['decode_tok_s'])}, prefill "
+            f"{_ratio(r['prefill_tok_s'], base['prefill_tok_s'])}; MoE time per decode step "
+            f"{_ratio(base['moe_ms_per_step'], r['moe_ms_per_step'])} less; decode ceiling with "
+            f"free MoE blocks {ceiling}; weight bytes per step "
+            f"{_ratio(base['decode_read_mb']['total'], r['decode_read_mb']['total'])} fewer "
+            f"[{machine}]")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--layers", type=int, default=2, help="decoder layers (the full model has 48)")
+  p.add_argument("--variants", default=None,
+                 help=f"comma-separated, of {sorted(VARIANTS)} (default: {DEFAULT_VARIANTS})")
+  p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--decode-steps", type=int, default=32)
+  p.add_argument("--repeats", type=int, default=3, help="timed generate calls per variant")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="activations and float weights (default: float32 on CPU, XLA's fastest "
+                      "float path there; bfloat16 on GPU)")
+  p.add_argument("--hidden", type=int, default=2048)
+  p.add_argument("--experts", type=int, default=128)
+  p.add_argument("--top-k", type=int, default=8)
+  p.add_argument("--moe-intermediate", type=int, default=768)
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--vocab", type=int, default=151936)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-floor", dest="floor", action="store_false",
+                 help="skip the no-MoE floor (the first variant with its MLP blocks off)")
+  p.add_argument("--json", default=None, help="write the rows and the machine here")
+  return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+  args = _parse_args(argv)
+  info = machine_info()
+  machine = machine_line(info)
+  platform_name = "gpu" if info["platform"] == "gpu" else "cpu"
+  args.dtype = args.dtype or ("bfloat16" if platform_name == "gpu" else "float32")
+  names = (args.variants or DEFAULT_VARIANTS[platform_name]).split(",")
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    raise SystemExit(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+  batches = [int(b) for b in args.batch.split(",")]
+  cfg = qwen3_30b_a3b_config(args)
+  print(f"machine: {machine}; jax {info['jax']} on {info['platform']} ({info['device']})")
+  print(f"model: Qwen3-30B-A3B shapes, {args.layers} layers, hidden {args.hidden}, "
+        f"{args.experts} experts top-{args.top_k} x {args.moe_intermediate}, vocab {args.vocab}, "
+        f"{args.dtype}; prompt {args.prompt_len}, {args.decode_steps} decode steps, median of "
+        f"{args.repeats} interleaved repeats")
+  built: dict[str, models.MoECausalLM] = {}
+  for name in names:
+    start = time.perf_counter()
+    built[name], note = build_variant(name, cfg, args)
+    if note:
+      print(f"note ({name}): {note}")
+    _timing.progress(f"built {name} in {time.perf_counter() - start:.1f} s: "
+                     f"{built[name].moe_backends()}")
+  rows = []
+  for batch in batches:
+    rows += bench_batch(built, batch, args, machine)
+  print_rows(rows)
+  print_speedups(rows, machine)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"machine": info, "config": cfg, "rows": rows}, f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
