@@ -237,3 +237,15 @@ def test_per_expert_mixing_float_and_int4_is_an_error(tmp_path):
   ckpt = _ckpt(tmp_path, tensors)
   with pytest.raises(ValueError, match="mix float and int4"):
     load_moe_layer(ckpt, EXPERTS, parse_quantization_config(CT))
+
+
+def test_find_layout_under_any_prefix(tmp_path):
+  gate, up, down = _float_experts(8)
+  ex = "transformer.moe_block.experts"  # no "layers.{L}" in the names
+  tensors = {f"{ex}.gate_up_proj": np.concatenate([gate, up], axis=1), f"{ex}.down_proj": down}
+  ckpt = _ckpt(tmp_path, tensors)
+  assert discover_moe_layers(ckpt) == {}
+  layout = find_moe_layout(ckpt, ex)
+  assert layout.storage == "fused" and layout.layer == -1 and layout.num_experts == E
+  layer = load_moe_layer(ckpt, ex, CheckpointQuantConfig())
+  np.testing.assert_array_equal(layer.w2, down)

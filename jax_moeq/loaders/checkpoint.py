@@ -31,7 +31,8 @@ from jax_moeq.loaders.config import (
     CheckpointQuantConfig, ConfigError, MissingFieldError, MoEModelConfig, parse_model_config,
     parse_quantization_config, read_config_json)
 from jax_moeq.loaders.progress import Progress
-from jax_moeq.loaders.safetensors_io import INDEX_FILE, SafetensorsDir
+from jax_moeq.loaders.safetensors_io import (
+    INDEX_FILE, CheckpointFormatError, SafetensorsDir, TensorNotFoundError)
 
 PROJ_NAMES = {"gate_proj": ("gate_proj", "up_proj", "down_proj"), "w1": ("w1", "w3", "w2")}
 
@@ -152,9 +153,16 @@ FUSED_LAYOUTS = ("auto", "concat", "interleaved")
 _PROJ = r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
 # `{experts}` ends in a path segment that is exactly "experts" (not "shared_experts").
 _EXPERTS = r"(?P<experts>.*?layers\.(?P<layer>\d+)\.(?:.+\.)?experts)"
-_PER_EXPERT_KEY = re.compile(rf"^{_EXPERTS}\.(?P<e>\d+)\.{_PROJ}\.")
-_STACKED_KEY = re.compile(rf"^{_EXPERTS}\.{_PROJ}\.(?:weight|weight_packed)$")
-_FUSED_KEY = re.compile(rf"^{_EXPERTS}\.gate_up_proj(?P<module>\.weight|\.weight_packed)?$")
+
+
+def _key_patterns(experts: str) -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+  """(per-expert, stacked, fused) key patterns for an `experts` prefix regex."""
+  return (re.compile(rf"^{experts}\.(?P<e>\d+)\.{_PROJ}\."),
+          re.compile(rf"^{experts}\.{_PROJ}\.(?:weight|weight_packed)$"),
+          re.compile(rf"^{experts}\.gate_up_proj(?P<module>\.weight|\.weight_packed)?$"))
+
+
+_KEYS = _key_patterns(_EXPERTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,25 +200,28 @@ class ExpertsLayout:
 _ExpertsLayout = ExpertsLayout  # the name before it was public
 
 
-def _classify(keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+def _classify(keys: Iterable[str], patterns=_KEYS) -> dict[str, dict[str, Any]]:
   """experts prefix -> what its tensor names show."""
+  per_expert, stacked, fused = patterns
   found: dict[str, dict[str, Any]] = {}
 
   def entry(m: re.Match) -> dict[str, Any]:
-    return found.setdefault(m["experts"], {"layer": int(m["layer"]), "ids": set(),
-                                           "projs": set(), "stacked": set(), "fused": None})
+    layer = m.groupdict().get("layer")
+    return found.setdefault(m["experts"], {"layer": -1 if layer is None else int(layer),
+                                           "ids": set(), "projs": set(), "stacked": set(),
+                                           "fused": None})
   for key in keys:
-    m = _PER_EXPERT_KEY.match(key)
+    m = per_expert.match(key)
     if m:
       d = entry(m)
       d["ids"].add(int(m["e"]))
       d["projs"].add(m["proj"])
       continue
-    m = _STACKED_KEY.match(key)
+    m = stacked.match(key)
     if m:
       entry(m)["stacked"].add(m["proj"])
       continue
-    m = _FUSED_KEY.match(key)
+    m = fused.match(key)
     if m:
       entry(m)["fused"] = "module" if m["module"] else "raw"
   return found
@@ -272,16 +283,22 @@ def discover_moe_layers(keys: Iterable[str] | SafetensorsDir) -> dict[int, Exper
 
 
 def find_moe_layout(keys: Iterable[str] | SafetensorsDir, experts: str) -> ExpertsLayout:
-  """The layout of the experts under one prefix (e.g. "model.layers.3.mlp.experts")."""
+  """The layout of the experts under one prefix (e.g. "model.layers.3.mlp.experts"; any prefix,
+  with or without a `layers.{L}` in it)."""
   shapes = keys if isinstance(keys, SafetensorsDir) else None
   names = keys.keys() if shapes is not None else keys
   experts = experts.rstrip(".")
-  found = _classify(n for n in names if n.startswith(experts + "."))
+  layer = re.search(r"layers\.(\d+)\.", experts + ".")
+  own = _key_patterns(rf"(?P<experts>{re.escape(experts)})")
+  found = _classify((n for n in names if n.startswith(experts + ".")), own)
   if experts not in found:
-    raise KeyError(f"no MoE expert tensors under {experts!r} (expected names like "
-                   f"'{experts}.0.gate_proj.weight', '{experts}.gate_up_proj' or "
-                   f"'{experts}.gate_proj.weight_packed')")
-  return _layout_of(experts, found[experts], shapes)
+    raise TensorNotFoundError(
+        f"no MoE expert tensors under {experts!r} (expected names like "
+        f"'{experts}.0.gate_proj.weight', '{experts}.gate_up_proj' or "
+        f"'{experts}.gate_proj.weight_packed')", tensor=experts)
+  d = found[experts]
+  d["layer"] = -1 if layer is None else int(layer.group(1))
+  return _layout_of(experts, d, shapes)
 
 
 # ------------------------------------------------------------------ MoE loading
@@ -397,6 +414,9 @@ def _load_fused(ckpt: SafetensorsDir, layout: ExpertsLayout, qcfg: CheckpointQua
                 fused_layout: str, hidden: int | None, inter: int | None) -> tuple[_Proj, _Proj]:
   ex = layout.experts
   if f"{ex}.gate_up_proj" in ckpt:  # raw parameters (float)
+    if f"{ex}.down_proj" not in ckpt:
+      raise CheckpointFormatError(f"{ex}.gate_up_proj has no {ex}.down_proj next to it",
+                                  path=ckpt.path, tensor=f"{ex}.down_proj")
     gu_shape, down_shape = ckpt.get_shape(f"{ex}.gate_up_proj"), ckpt.get_shape(f"{ex}.down_proj")
     orient = _fused_orientation(gu_shape, down_shape, fused_layout, hidden, inter, ex)
     w13 = _float(ckpt, f"{ex}.gate_up_proj")
@@ -450,7 +470,8 @@ def load_moe_layer(ckpt: SafetensorsDir, layout: ExpertsLayout | str,
       or GPTQ) is read from its tensors and must agree with it.
     fused_layout: for `gate_up_proj` storage: "auto" (decide from the shapes of gate_up_proj and
       down_proj, and `hidden_size`/`intermediate_size` when given), "concat" (gate rows, then up
-      rows: transformers 5) or "interleaved" (gate/up alternating: GPT-OSS).
+      rows: transformers 5) or "interleaved" (gate/up alternating: GPT-OSS's [E, H, 2I]; for a
+      3-D module weight `gate_up_proj.weight[_packed]`, alternating output rows).
     hidden_size, intermediate_size: H and I from config.json; when given, the layer must have them.
   """
   if fused_layout not in FUSED_LAYOUTS:
