@@ -168,7 +168,7 @@ def test_explicit_backend_errors():
   moe = MoE(E, K, H, I, dtype=jnp.float32, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="allow_activation_quantization"):
     QuantizedMoE.from_float(moe, scheme="wna16", group_size=32, moe_backend="cpu_int4")
-  with pytest.raises(ValueError, match="MARLIN.*platform 'cpu'"):
+  with pytest.raises(ValueError, match="MARLIN.*platform 'cpu'|MARLIN.*not float32"):
     QuantizedMoE.from_float(moe, scheme="wna16", group_size=32, moe_backend="marlin")
   with pytest.raises(ValueError, match="scheme='int3'"):
     QuantizedMoE(E, K, H, I, scheme="int3", rngs=nnx.Rngs(0))
@@ -434,3 +434,112 @@ def test_linen_weight_only_blocks_match_nnx(scheme):
   got = jax.jit(lq.apply)(lq.quantize_variables(variables), x)
   want = QuantizedMoE.from_float(moe, scheme=scheme, group_size=32)(x)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ------------------------------------------------------------------ given weights, float_impl
+def _given_float(seed, bias=False):
+  from jax_moeq.weights import FloatMoEWeights
+  r = np.random.default_rng(seed)
+  f32 = lambda *s: jnp.asarray(r.normal(size=s) / np.sqrt(s[-1]), jnp.float32)
+  return (FloatMoEWeights(f32(E, 2 * I, H), f32(E, H, I), f32(E, 2 * I) if bias else None,
+                          f32(E, H) if bias else None), f32(E, H))
+
+
+@pytest.fixture
+def no_random_init(monkeypatch):
+  """Fails any random parameter draw (nnx / jax.random initializers)."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("a random initializer ran")
+  for name in ("normal", "truncated_normal", "uniform"):
+    monkeypatch.setattr(jax.random, name, refuse)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_float_block_holds_given_weights_and_matches_reference(dtype, use_bias, no_random_init):
+  from jax_moeq import reference
+  weights, router = _given_float(70, use_bias)
+  moe = MoE(E, K, H, I, use_bias=use_bias, dtype=dtype, param_dtype=jnp.bfloat16,
+            weights=weights, router_weight=router)
+  assert moe.w13[...].dtype == jnp.bfloat16  # cast to param_dtype
+  np.testing.assert_array_equal(np.asarray(moe.w13[...], np.float32),
+                                np.asarray(weights.w13.astype(jnp.bfloat16), np.float32))
+  np.testing.assert_array_equal(np.asarray(moe.router.kernel[...], np.float32),
+                                np.asarray(router.astype(jnp.bfloat16).T, np.float32))
+  x = jnp.asarray(np.random.default_rng(71).normal(size=(2, 5, H)), jnp.float32)
+  y = moe(x)
+  xt = x.reshape(-1, H).astype(dtype)
+  topk_weights, topk_ids = moe.route(moe.router(xt))
+  fw = moe.float_weights()
+  want = reference.fused_moe_float(xt, topk_ids, topk_weights, fw.w13, fw.w2,
+                                   w13_bias=fw.w13_bias, w2_bias=fw.w2_bias, activation_kind=2)
+  # f32: summation order only (1e-5); bf16: SPEC §9.
+  assert rel(y.reshape(-1, H), want) <= (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def test_given_weights_need_no_rngs_and_are_checked(no_random_init):
+  weights, router = _given_float(72)
+  moe = MoE(E, K, H, I, router=False, weights=weights)
+  assert moe.router is None
+  q = QuantizedMoE(E, K, H, I, group_size=32, weights=weights, router_weight=router,
+                   dtype=jnp.float32)  # float weights are quantized, nothing is drawn
+  from jax_moeq.weights import quantize_moe_weights
+  np.testing.assert_array_equal(np.asarray(q.canonical_int4().w13_q),
+                                np.asarray(quantize_moe_weights(weights, 32).w13_q))
+  QuantizedMoE(E, K, H, I, group_size=32, weights=quantize_moe_weights(weights, 32),
+               router_weight=router)
+  with pytest.raises(ValueError, match="rngs is required to initialize the router"):
+    MoE(E, K, H, I, weights=weights)
+  with pytest.raises(ValueError, match="rngs is required when no weights are given"):
+    MoE(E, K, H, I, router=False)
+  with pytest.raises(ValueError, match="the block needs"):
+    MoE(E, K, H, 2 * I, router=False, weights=weights)
+  with pytest.raises(ValueError, match="use_bias=True but the weights have no"):
+    MoE(E, K, H, I, router=False, use_bias=True, weights=weights)
+  with pytest.raises(ValueError, match=r"router_weight must be \[E, H\]"):
+    MoE(E, K, H, I, weights=weights, router_weight=router[:, :64])
+  with pytest.raises(TypeError, match="weights must be FloatMoEWeights"):
+    MoE(E, K, H, I, router=False, weights={"w13": weights.w13})
+
+
+@pytest.mark.parametrize("on_input", [False, True])
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_float_impl_variants_agree(on_input, tokens):
+  weights, router = _given_float(73, bias=True)
+  make = lambda impl, dtype: MoE(E, K, H, I, use_bias=True, dtype=dtype, float_impl=impl,
+                                 apply_router_weight_on_input=on_input, weights=weights,
+                                 router_weight=router)
+  impls = ["gather", "ragged_dot"] + ([] if on_input else ["dense"])
+  x = jax.random.normal(jax.random.key(74), (tokens, H), jnp.float32)
+  auto = make("auto", jnp.float32)
+  assert auto.experts.resolve_impl(tokens) == (
+      "gather" if tokens * K <= E else "ragged_dot" if on_input else "dense")
+  for dtype, bound in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):  # as the float tests
+    base_out = make("auto", dtype)(x)
+    for impl in impls:
+      assert rel(make(impl, dtype)(x), base_out) <= bound, (impl, dtype)
+  with pytest.raises(ValueError, match="float_impl='dense' .* cannot apply the router weight"):
+    MoE(E, K, H, I, use_bias=True, apply_router_weight_on_input=True, float_impl="dense",
+        weights=weights, router_weight=router)
+  with pytest.raises(ValueError, match="float_impl='einsum' is not one of"):
+    MoE(E, K, H, I, use_bias=True, float_impl="einsum", weights=weights, router_weight=router)
+
+
+def test_linen_float_impl_matches_nnx():
+  from jax_moeq.nn import linen as L
+  weights, router = _given_float(75)
+  moe = MoE(E, K, H, I, dtype=jnp.float32, float_impl="ragged_dot", weights=weights,
+            router_weight=router)
+  variables = {"params": {"router": {"kernel": moe.router.kernel[...]}, "w13": moe.w13[...],
+                          "w2": moe.w2[...]}}
+  x = jax.random.normal(jax.random.key(76), (7, H), jnp.float32)
+  lmoe = L.MoE(E, K, H, I, dtype=jnp.float32, float_impl="ragged_dot")
+  np.testing.assert_array_equal(np.asarray(lmoe.apply(variables, x)), np.asarray(moe(x)))
+
+
+def test_float_block_under_nnx_jit():
+  weights, router = _given_float(77)
+  moe = MoE(E, K, H, I, dtype=jnp.float32, weights=weights, router_weight=router)
+  x = jax.random.normal(jax.random.key(78), (4, H), jnp.float32)
+  # XLA fuses differently under jit than op by op: float32 summation order only.
+  assert rel(nnx.jit(lambda m, x: m(x))(moe, x), moe(x)) <= 1e-5

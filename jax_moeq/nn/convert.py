@@ -35,7 +35,8 @@ def _routing_from(model_config, overrides: dict[str, Any]) -> dict[str, Any]:
 def moe_from_checkpoint_layer(layer, top_k: int, *, model_config=None, scheme: str | None = None,
                               moe_backend: str = "auto",
                               allow_activation_quantization: bool = False,
-                              rngs: nnx.Rngs | None = None, **kwargs) -> MoE | QuantizedMoE:
+                              float_impl: str = "auto", rngs: nnx.Rngs | None = None,
+                              **kwargs) -> MoE | QuantizedMoE:
   """A block holding a loaded layer's weights: `QuantizedMoE` for int4 layers, `MoE` for float.
 
   Args:
@@ -44,6 +45,8 @@ def moe_from_checkpoint_layer(layer, top_k: int, *, model_config=None, scheme: s
     model_config: the checkpoint's `MoEModelConfig`, for routing options (overridable by kwargs).
     scheme: for int4 layers, the block's scheme (default: the checkpoint's,
       `MoECheckpoint.quant_config.scheme`, else "wna16").
+    float_impl: for float layers, `MoE`'s expert computation ("auto", "gather", "dense",
+      "ragged_dot").
     kwargs: routing / dtype overrides as in `MoE` (activation, renormalize, dtype, ...).
   """
   opts = _routing_from(model_config, kwargs)
@@ -57,8 +60,11 @@ def moe_from_checkpoint_layer(layer, top_k: int, *, model_config=None, scheme: s
     bias = lambda b: None if b is None else jnp.asarray(b)
     weights = FloatMoEWeights(jnp.asarray(layer.w13), jnp.asarray(layer.w2),
                               bias(layer.w13_bias), bias(layer.w2_bias))
-    return MoE(e, top_k, h, i, use_bias=use_bias, router=has_router, rngs=rngs, weights=weights,
-               router_weight=layer.router_weight, correction_bias=corr, **opts)
+    return MoE(e, top_k, h, i, use_bias=use_bias, router=has_router, float_impl=float_impl,
+               rngs=rngs, weights=weights, router_weight=layer.router_weight,
+               correction_bias=corr, **opts)
+  if float_impl != "auto":
+    raise ValueError(f"float_impl={float_impl!r} applies to float layers; this layer is int4")
   scheme = scheme or "wna16"
   return QuantizedMoE(e, top_k, h, i, use_bias=use_bias, router=has_router, scheme=scheme,
                       group_size=layer.group_size, moe_backend=moe_backend,

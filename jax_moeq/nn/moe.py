@@ -123,9 +123,12 @@ class MoESpec:
     self._check_bias_presence(weights.w13_bias, weights.w2_bias)
 
   def _check_bias_presence(self, w13_bias, w2_bias) -> None:
-    if (w13_bias is not None) != self.use_bias or (w2_bias is not None) != self.use_bias:
-      raise ValueError(f"use_bias={self.use_bias} but the weights "
-                       f"{'have no' if self.use_bias else 'have'} (or half the) biases")
+    present = [n for n, b in (("w13_bias", w13_bias), ("w2_bias", w2_bias)) if b is not None]
+    if self.use_bias and len(present) < 2:
+      raise ValueError(f"use_bias=True but the weights have no "
+                       f"{' and '.join(sorted({'w13_bias', 'w2_bias'} - set(present)))}")
+    if not self.use_bias and present:
+      raise ValueError(f"use_bias=False but the weights have {' and '.join(present)}")
 
 
 def _init_expert_weights(rngs: nnx.Rngs, spec: MoESpec, param_dtype) -> FloatMoEWeights:
