@@ -4,8 +4,8 @@ A safetensors file is an 8-byte little-endian header length `n`, `n` bytes of JS
 (`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`), then the
 data section; offsets are relative to its start. We parse and check the header ourselves, with
 bounded reads, before any tensor is read: the header length against the file size and
-`max_header_bytes` (nothing is allocated from a claimed length), strict JSON (no duplicate keys, no
-NaN), known dtypes, non-negative integer shapes and offsets, `prod(shape) * bits / 8 == end - begin`
+`max_header_bytes` (nothing is allocated from a claimed length), strict UTF-8 JSON (no NaN, no
+runaway nesting), known dtypes, non-negative integer shapes and offsets, `prod(shape) * bits / 8 == end - begin`
 for every tensor, and tensors that cover the data section exactly (no gaps, overlaps, or trailing
 bytes: the rules of the reference `safetensors` library, so any file it reads we read too). Tensor
 data is then read with plain positioned reads of exactly the validated byte range; nothing is
