@@ -171,10 +171,13 @@ class MoEExperts(abc.ABC):
     return self.apply_routed(hidden_states, topk_ids, topk_weights, weights)
 
   def default_routing(self) -> RoutingOptions:
-    """Softmax top-k routing of the config's top_k, renormalized when its method is."""
+    """The `select_experts` options of the config's top_k and plain routing method."""
     cfg = self.moe_config
-    return RoutingOptions(top_k=cfg.top_k,
-                          renormalize=cfg.routing_method in _RENORMALIZING)
+    if cfg.routing_method not in _PLAIN_ROUTINGS:
+      raise ValueError(f"routing method {cfg.routing_method.name} has no default options: pass "
+                       "routing=RoutingOptions(...)")
+    renormalize, scoring_func = _PLAIN_ROUTINGS[cfg.routing_method]
+    return RoutingOptions(top_k=cfg.top_k, renormalize=renormalize, scoring_func=scoring_func)
 
   @property
   def activation(self) -> MoEActivation:
@@ -198,8 +201,15 @@ class MoEExperts(abc.ABC):
     return f"{type(self).__name__}({self.moe_config!r})"
 
 
-_RENORMALIZING = (RoutingMethodType.Renormalize, RoutingMethodType.RenormalizeNaive,
-                  RoutingMethodType.SigmoidRenorm)
+# Routing methods -> (renormalize, scoring_func) of the `select_experts` options computing them
+# (Renormalize equals RenormalizeNaive up to rounding: softmax is monotone).
+_PLAIN_ROUTINGS = {
+    RoutingMethodType.Default: (False, "softmax"),
+    RoutingMethodType.Renormalize: (True, "softmax"),
+    RoutingMethodType.RenormalizeNaive: (True, "softmax"),
+    RoutingMethodType.Sigmoid: (False, "sigmoid"),
+    RoutingMethodType.SigmoidRenorm: (True, "sigmoid"),
+}
 
 
 def require_arrays(owner: str, weights: Mapping[str, Array], names: tuple[str, ...]) -> None:
