@@ -438,3 +438,19 @@ def test_gpu_mxint4_routing_without_a_kernel_method_runs_the_reference():
   with pytest.raises(ValueError, match="HOPPER_MXINT4 .* no kernel-side routing method"):
     fused_moe(x, logits, w, top_k=K, scheme="mxint4", scoring_func="sigmoid",
               moe_backend="mxint4_gpu")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("biases", ["both", "w13_only"])
+def test_gpu_marlin_with_biases(biases):
+  w, x, logits = gpu_case(25, 64)
+  r = np.random.default_rng(26)
+  b13 = jnp.asarray(r.standard_normal((E, 2 * GI)) * 0.1, jnp.float32)
+  b2 = jnp.asarray(r.standard_normal((E, GH)) * 0.1, jnp.float32) if biases == "both" else None
+  w = Int4MoEWeights(w.w13_q, w.w13_scale, w.w2_q, w.w2_scale, 64, b13, b2)
+  layer = dispatch.LayerSpec(E, GH, GI, RoutingOptions(top_k=K), has_bias=True)
+  assert dispatch.choose_experts("wna16", layer, group_size=64).name == "marlin"
+  out = fused_moe(x, logits, w, top_k=K, scheme="wna16")
+  want = fused_moe(x, logits, w, top_k=K, scheme="wna16", moe_backend="reference")
+  assert rel(out, want) <= TOLERANCE[jnp.bfloat16]
