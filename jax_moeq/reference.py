@@ -81,7 +81,9 @@ def quantize_activations_int8(x: Array) -> tuple[Array, Array, Array]:
 
   Returns:
     (qa int8 [..., K], scale float32 [...], zp int32 [...]); rows with max == min (all zero,
-    the range always includes 0) give qa 0, scale 0, zp 0. Dequantized: (qa - zp) * scale.
+    the range always includes 0) give qa 0, scale 0, zp 0; rows holding a NaN or an infinity
+    give qa 0, zp 0 and scale NaN (every GEMM output of the row is NaN, as in the kernel).
+    Dequantized: (qa - zp) * scale.
   """
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -102,6 +104,10 @@ def quantize_activations_int8(x: Array) -> tuple[Array, Array, Array]:
   zp = jnp.where(empty, 0, zp)
   qa = jnp.round(x * inv[..., None]).astype(jnp.int32) + zp[..., None]
   qa = jnp.where(empty[..., None], 0, jnp.clip(qa, -128, 127)).astype(jnp.int8)
+  finite = jnp.all(jnp.isfinite(x), axis=-1)
+  qa = jnp.where(finite[..., None], qa, jnp.int8(0))
+  zp = jnp.where(finite, zp, 0)
+  scale = jnp.where(finite, scale, jnp.float32(jnp.nan))
   return qa, scale.astype(jnp.float32), zp
 
 

@@ -23,7 +23,9 @@ struct RowOps {
   void (*activate)(ElementType type, ActivationKind kind, float* gate, float* up, int64_t n,
                    float* out);
   // Asymmetric int8 quantization of x [k], groups of `group`: values q, the
-  // row's scale and zero point, and 8 * sum(q) per group.
+  // row's scale and zero point, and 8 * sum(q) per group. A row holding a NaN
+  // or an infinity gives q = 0, zero point 0 and scale NaN (its GEMM outputs
+  // are all NaN).
   void (*quantize)(const float* x, int64_t k, int64_t group, int8_t* q, float* scale,
                    int32_t* zero_point, int32_t* sum8);
   // acc = round(acc + round(round(y) * w)), or round(acc + round(y)) when

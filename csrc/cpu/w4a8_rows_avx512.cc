@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <limits>
 
 #include "cpu/dtype_convert.h"
 #include "cpu/w4a8_rows.h"
@@ -109,8 +110,10 @@ void Activate(ElementType t, ActivationKind kind, float* gate, float* up, int64_
     const __m512 u = RoundTo16(t, _mm512_loadu_ps(up + i));
     __m512 a;
     if (kind == ActivationKind::kSwigluOai) {
-      const __m512 gc = _mm512_min_ps(g, _mm512_set1_ps(7.0f));
-      const __m512 uc = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(7.0f)), _mm512_set1_ps(-7.0f));
+      // min_ps / max_ps return the second operand when either is NaN: the value goes second,
+      // so a NaN passes through as in the portable std::min(g, 7) / std::max(std::min(u, 7), -7).
+      const __m512 gc = _mm512_min_ps(_mm512_set1_ps(7.0f), g);
+      const __m512 uc = _mm512_max_ps(_mm512_set1_ps(-7.0f), _mm512_min_ps(_mm512_set1_ps(7.0f), u));
       const __m512 glu = _mm512_mul_ps(gc, Sigmoid(_mm512_mul_ps(_mm512_set1_ps(1.702f), gc)));
       a = _mm512_mul_ps(_mm512_add_ps(uc, _mm512_set1_ps(1.0f)), glu);
     } else {
@@ -123,16 +126,20 @@ void Activate(ElementType t, ActivationKind kind, float* gate, float* up, int64_
 void Quantize(const float* x, int64_t k, int64_t group, int8_t* q, float* scale,
               int32_t* zero_point, int32_t* sum8) {
   __m512 vmin = _mm512_setzero_ps(), vmax = _mm512_setzero_ps();
+  __mmask16 nonfinite = 0;
   for (int64_t i = 0; i < k; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
     vmin = _mm512_min_ps(vmin, v);
     vmax = _mm512_max_ps(vmax, v);
+    nonfinite |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN | +Inf | -Inf | SNaN
   }
   const float rmin = _mm512_reduce_min_ps(vmin), rmax = _mm512_reduce_max_ps(vmax);
   const int64_t groups = k / group;
   float inv;
   int32_t zp;
-  if (!QuantizationParams(rmin, rmax, scale, &inv, &zp)) {
+  if (nonfinite || !QuantizationParams(rmin, rmax, scale, &inv, &zp)) {
+    // A row holding NaN or +-Inf gets scale NaN, so that every output of the row is NaN.
+    if (nonfinite) *scale = std::numeric_limits<float>::quiet_NaN();
     for (int64_t i = 0; i < k; ++i) q[i] = 0;
     for (int64_t gi = 0; gi < groups; ++gi) sum8[gi] = 0;
     *zero_point = 0;

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "cpu/dtype_convert.h"
 #include "cpu/w4a8_rows.h"
@@ -43,8 +44,9 @@ void Activate(ElementType t, ActivationKind kind, float* gate, float* up, int64_
     const float u = RoundTo(t, up[i]);
     float a;
     if (kind == ActivationKind::kSwigluOai) {
+      // Clamps written so that a NaN passes through (as jnp.minimum / jnp.clip do).
       const float gc = std::min(g, 7.0f);
-      const float uc = std::min(7.0f, std::max(-7.0f, u));
+      const float uc = std::max(std::min(u, 7.0f), -7.0f);
       a = (uc + 1.0f) * (gc * Sigmoid(1.702f * gc));
     } else {  // SwiGLU; vLLM maps SILU to silu-and-mul as well
       a = g * Sigmoid(g) * u;
@@ -56,14 +58,18 @@ void Activate(ElementType t, ActivationKind kind, float* gate, float* up, int64_
 void Quantize(const float* x, int64_t k, int64_t group, int8_t* q, float* scale,
               int32_t* zero_point, int32_t* sum8) {
   float rmin = 0.0f, rmax = 0.0f;
+  bool finite = true;
   for (int64_t i = 0; i < k; ++i) {
     rmin = std::min(rmin, x[i]);
     rmax = std::max(rmax, x[i]);
+    finite &= std::isfinite(x[i]);
   }
   const int64_t groups = k / group;
   float inv;
   int32_t zp;
-  if (!QuantizationParams(rmin, rmax, scale, &inv, &zp)) {
+  if (!finite || !QuantizationParams(rmin, rmax, scale, &inv, &zp)) {
+    // A row holding NaN or +-Inf gets scale NaN, so that every output of the row is NaN.
+    if (!finite) *scale = std::numeric_limits<float>::quiet_NaN();
     std::memset(q, 0, k);
     *zero_point = 0;
     std::fill(sum8, sum8 + groups, 0);
