@@ -311,6 +311,11 @@ def bench_batch(built: dict[str, models.MoECausalLM], batch: int, args: argparse
 
 
 # ------------------------------------------------------------------ report
+def _fmt(value: float) -> str:
+  """Three significant figures or so, without exponents."""
+  return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
 def print_rows(rows: list[dict[str, Any]]) -> None:
   header = ["variant", "batch", "prefill tok/s", "decode tok/s (best)", "step ms",
             "MoE ms/step (share)", "read MB/step (experts/head/other)", "GB/s", "machine"]
@@ -318,12 +323,12 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
   for r in rows:
     mb = r["decode_read_mb"]
     share = ("—" if r["moe_share"] is None
-             else f"{r['moe_ms_per_step']:.1f} ({r['moe_share']:.0%})")
-    table.append([r["variant"], r["batch"], f"{r['prefill_tok_s']:.1f}",
-                  f"{r['decode_tok_s']:.1f} ({r['decode_tok_s_best']:.1f})",
-                  f"{r['decode_step_ms']:.1f}", share,
-                  f"{mb['experts']:.0f}/{mb['lm_head']:.0f}/{mb['other']:.0f}",
-                  f"{r['decode_gb_s']:.1f}", r["machine"]])
+             else f"{_fmt(r['moe_ms_per_step'])} ({r['moe_share']:.0%})")
+    table.append([r["variant"], r["batch"], _fmt(r["prefill_tok_s"]),
+                  f"{_fmt(r['decode_tok_s'])} ({_fmt(r['decode_tok_s_best'])})",
+                  _fmt(r["decode_step_ms"]), share,
+                  "/".join(_fmt(mb[k]) for k in ("experts", "lm_head", "other")),
+                  _fmt(r["decode_gb_s"]), r["machine"]])
   print(_timing.markdown_table(header, table))
 
 
@@ -376,6 +381,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-floor", dest="floor", action="store_false",
                  help="skip the no-MoE floor (the first variant with its MLP blocks off)")
+  p.add_argument("--allow-reference", action="store_true",
+                 help="on a GPU, time int4 variants even when they fall back to the jnp reference")
   p.add_argument("--json", default=None, help="write the rows and the machine here")
   return p.parse_args(argv)
 
@@ -403,8 +410,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     built[name], note = build_variant(name, cfg, args)
     if note:
       print(f"note ({name}): {note}")
-    _timing.progress(f"built {name} in {time.perf_counter() - start:.1f} s: "
-                     f"{built[name].moe_backends()}")
+    backends = built[name].moe_backends()
+    _timing.progress(f"built {name} in {time.perf_counter() - start:.1f} s: {backends}")
+    if platform_name == "gpu" and "reference" in backends.values() and not args.allow_reference:
+      raise SystemExit(f"{name} runs on the jnp reference backend ({backends}): this jax_moeq has "
+                       "no CUDA library (build it: scripts/dev_build.sh with JAX_MOEQ_CUDA=ON); "
+                       "--allow-reference times it anyway")
   rows = []
   for batch in batches:
     rows += bench_batch(built, batch, args, machine)

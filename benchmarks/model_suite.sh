@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end model figures on a GPU machine: benchmarks/model_bench.py with the float block on
 # lax.ragged_dot, WNA16 and MxInt4 experts, batch 1 and 16, on a Qwen3-30B-A3B-shaped model.
-#   BUILD=1 builds the CUDA library into the tree first (scripts/dev_build.sh with CUDA on);
-#   without it the tree is used when it holds a built library, else the installed package.
+#   BUILD=1 builds the CUDA library into the tree first (jax_moeq/lib/libjax_moeq_cuda.so);
+#   BUILD=auto (default) does so when the tree holds no built library and the installed jax_moeq
+#   has none either; BUILD=0 never does (model_bench.py refuses int4 variants that would fall
+#   back to the jnp reference).
 #   LAYERS (default 2), BENCH_ARGS pass through. JSON and logs go to $OUT (or /tmp/model_suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,10 +13,25 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
 
-if [ "${BUILD:-0}" = 1 ]; then
-  if ! JAX_MOEQ_CUDA=ON JOBS=16 scripts/dev_build.sh >"$OUT/build.log" 2>&1; then
+BUILD=${BUILD:-auto}
+if [ "$BUILD" = auto ]; then
+  installed=$(cd /tmp && "$PY" -c 'import os, jax_moeq; print(os.path.dirname(jax_moeq.__file__))' \
+              2>/dev/null)
+  BUILD=1
+  for lib in jax_moeq/lib/libjax_moeq_cuda.so "$installed/lib/libjax_moeq_cuda.so"; do
+    [ -f "$lib" ] && BUILD=0
+  done
+fi
+if [ "$BUILD" = 1 ]; then
+  # The CUDA library alone: a GPU run needs no CPU kernels.
+  if ! { cmake -S . -B build/model_suite -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_MOEQ_CUDA=ON \
+           -DPython_EXECUTABLE="$(command -v "$PY")" \
+           -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" &&
+         cmake --build build/model_suite -j 16 --target jax_moeq_cuda; } >"$OUT/build.log" 2>&1
+  then
     tail -30 "$OUT/build.log"; echo "build: FAILED"; exit 1
   fi
+  mkdir -p jax_moeq/lib && cp -f build/model_suite/libjax_moeq_cuda.so jax_moeq/lib/
 fi
 # The tree's jax_moeq when it holds a built CUDA library, otherwise the installed package (an
 # unbuilt tree first on PYTHONPATH would shadow it).
