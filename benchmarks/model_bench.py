@@ -12,10 +12,12 @@ the repeats are reported. Variants:
   w4a8_int8         experts quantized to int4 on load, the CPU W4A8 kernel (CPU default)
   wna16, mxint4     experts quantized to int4 on load, the GPU kernels (GPU defaults)
 
-Besides tok/s each row carries the MoE blocks' share of a decode step (one block timed alone at
-the decode shape, times the layers) and the weight bytes a decode step reads (experts touched,
-attention, LM head): at a few layers the LM head and attention, which stay float in every variant,
-bound what int4 experts can gain end to end.
+A `no_moe` row times the first variant's model with its MLP blocks swapped for zeros: the cost
+of attention, norms, embedding and LM head, which stay float in every variant. Each variant's
+decode step minus that floor is its MoE time per step, and the float step over the floor bounds
+what int4 experts can gain end to end (at a few layers the LM head, 151936 x 2048, dominates).
+Each row also gives the weight bytes a decode step reads (the experts its tokens route to, the
+LM head, the rest) and the rate that makes.
 
 Run: python benchmarks/model_bench.py [--layers 2] [--batch 1,16] [--json rows.json]
      JAX_PLATFORMS=cuda python benchmarks/model_bench.py --variants float_ragged_dot,wna16,mxint4
@@ -173,7 +175,6 @@ def force_float_impl(model: models.MoECausalLM, impl: str) -> str | None:
         dtype=block.dtype, param_dtype=block.param_dtype, float_impl=impl,
         weights=FloatMoEWeights(block.w13[...], block.w2[...]),
         router_weight=block.router.kernel[...].T)
-    del block
   return None
 
 
@@ -189,24 +190,32 @@ def build_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace
   return model, note
 
 
+def share_float_parts(source: models.MoECausalLM, target: models.MoECausalLM) -> None:
+  """Points `target`'s embedding, attention, norms and LM head at `source`'s modules. Every
+  variant draws them from the same seed, so this changes no value; it keeps one copy of them
+  (2.5 GB at vocab 151936 in float32) for all the variants."""
+  target.embed_tokens, target.norm, target.lm_head = (
+      source.embed_tokens, source.norm, source.lm_head)
+  for src, dst in zip(source.layers, target.layers):
+    dst.input_layernorm, dst.self_attn, dst.post_attention_layernorm = (
+        src.input_layernorm, src.self_attn, src.post_attention_layernorm)
+
+
 def decode_bytes(model: models.MoECausalLM, batch: int) -> dict[str, float]:
   """Weight bytes one decode step reads: the experts that `batch` tokens route to (expected
   distinct experts under uniform routing), the other weights whole, `batch` embedding rows."""
   cfg = model.config
-  e, k = cfg.num_experts, cfg.top_k
-  touched = e * (1.0 - (1.0 - k / e) ** batch) / e  # expected fraction of experts hit
+  touched = 1.0 - (1.0 - cfg.top_k / cfg.num_experts) ** batch  # expected fraction of experts hit
   out = {"experts": 0.0, "lm_head": 0.0, "other": 0.0}
-  leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
-  for path, leaf in leaves:
-    where = jax.tree_util.keystr(path)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
+    where = jax.tree_util.keystr(path)  # e.g. "['layers'][0]['mlp']['w13'].value"
     nbytes = float(getattr(leaf, "nbytes", 0))
-    if "embed_tokens" in where:
+    if "['embed_tokens']" in where:
       out["other"] += nbytes * batch / cfg.vocab_size
-    elif "lm_head" in where:
+    elif "['lm_head']" in where:
       out["lm_head"] += nbytes
-    elif ".mlp" in where or "'mlp'" in where:
-      out["experts" if "router" not in where else "other"] += nbytes * (
-          touched if "router" not in where else 1.0)
+    elif "['mlp']" in where and "['router']" not in where:
+      out["experts"] += nbytes * touched
     else:
       out["other"] += nbytes
   out["total"] = sum(out.values())
@@ -351,10 +360,11 @@ def print_speedups(rows: list[dict[str, Any]], machine: str) -> None:
       ceiling = None if floor is None else _ratio(base["decode_step_ms"], floor["decode_step_ms"])
       print(f"batch {batch}: {name} vs {base['variant']}: decode "
             f"{_ratio(r['decode_tok_s'], base['decode_tok_s'])}, prefill "
-            f"{_ratio(r['prefill_tok_s'], base['prefill_tok_s'])}; MoE time per decode step "
-            f"{_ratio(base['moe_ms_per_step'], r['moe_ms_per_step'])} less; decode ceiling with "
-            f"free MoE blocks {ceiling}; weight bytes per step "
-            f"{_ratio(base['decode_read_mb']['total'], r['decode_read_mb']['total'])} fewer "
+            f"{_ratio(r['prefill_tok_s'], base['prefill_tok_s'])}; MoE time per decode step, "
+            f"{base['variant']} over {name}: "
+            f"{_ratio(base['moe_ms_per_step'], r['moe_ms_per_step'])}; decode ceiling with free "
+            f"MoE blocks {ceiling}; weight bytes per step, {base['variant']} over {name}: "
+            f"{_ratio(base['decode_read_mb']['total'], r['decode_read_mb']['total'])} "
             f"[{machine}]")
 
 
@@ -408,6 +418,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   for name in names:
     start = time.perf_counter()
     built[name], note = build_variant(name, cfg, args)
+    if len(built) > 1:
+      share_float_parts(next(iter(built.values())), built[name])
     if note:
       print(f"note ({name}): {note}")
     backends = built[name].moe_backends()
