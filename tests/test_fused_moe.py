@@ -27,6 +27,11 @@ from jax_moeq.weights import (
     unpack_w4a8,
 )
 
+# These tests expect the CPU's backends and float32 GEMMs in float32; the GPU cases of the same
+# route are in tests/test_dispatch.py. On a GPU machine run them with JAX_PLATFORMS=cpu.
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason="CPU backend expectations (run with JAX_PLATFORMS=cpu)")
+
 needs_cpu_library = pytest.mark.skipif(not _ffi.cpu_library_available(),
                                        reason="jax_moeq CPU library not built")
 E, K, H, I = 8, 2, 128, 128
