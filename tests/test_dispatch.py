@@ -454,3 +454,39 @@ def test_gpu_marlin_with_biases(biases):
   out = fused_moe(x, logits, w, top_k=K, scheme="wna16")
   want = fused_moe(x, logits, w, top_k=K, scheme="wna16", moe_backend="reference")
   assert rel(out, want) <= TOLERANCE[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("scheme,group_size,act_order", [("wna16", 128, False),
+                                                         ("wna16", -1, False),
+                                                         ("wna16", 64, True),
+                                                         ("mxint4", 32, False)])
+def test_gpu_blocks_match_reference(scheme, group_size, act_order):
+  """The Flax blocks on the GPU kernels vs the same blocks on the reference (tests/test_nn.py
+  holds the blocks' CPU suite, skipped on GPU machines)."""
+  from flax import nnx
+  from jax_moeq.nn import MoE, QuantizedMoE, moe_from_checkpoint_layer
+  h, i = GH, GI
+  moe = MoE(E, K, h, i, dtype=jnp.bfloat16, rngs=nnx.Rngs(50))
+  if act_order:
+    # A GPTQ desc_act layer: random per-expert input orders on both GEMMs.
+    layer = QuantizedMoE.from_float(moe, scheme="wna16", group_size=group_size,
+                                    moe_backend="reference").canonical_int4().to_layer()
+    r = np.random.default_rng(51)
+    layer.w13_g_idx = np.stack([r.permutation(np.arange(h) // group_size) for _ in range(E)])
+    layer.w2_g_idx = np.stack([r.permutation(np.arange(i) // group_size) for _ in range(E)])
+    layer.router_weight = np.asarray(moe.router.kernel[...]).T
+    fast = moe_from_checkpoint_layer(layer, K, scheme=scheme, dtype=jnp.bfloat16)
+    slow = moe_from_checkpoint_layer(layer, K, scheme=scheme, moe_backend="reference",
+                                     dtype=jnp.bfloat16)
+  else:
+    fast = QuantizedMoE.from_float(moe, scheme=scheme, group_size=group_size)
+    slow = QuantizedMoE.from_float(moe, scheme=scheme, group_size=group_size,
+                                   moe_backend="reference")
+  assert fast.backend == {"wna16": "marlin", "mxint4": "mxint4_gpu"}[scheme], fast.backend_reason
+  assert slow.backend == "reference"
+  x = jax.random.normal(jax.random.key(52), (3, 7, h), jnp.bfloat16)
+  y = nnx.jit(lambda m, x: m(x))(fast, x)
+  assert y.shape == x.shape and y.dtype == jnp.bfloat16
+  assert rel(y, slow(x)) <= TOLERANCE[jnp.bfloat16]  # SPEC §9 bf16, same scheme
