@@ -264,8 +264,17 @@ def dynamic_4bit_int_moe(
 
   Returns:
     [T, H] in x's dtype. Works under jit and vmap (a batch of token sets is
-    folded into the token axis). An expert id out of range raises ValueError
-    for concrete ids, and an XLA runtime error naming it under jit.
+    folded into the token axis).
+
+  Expert ids outside [0, E): concrete ids (outside jit) raise ValueError; under
+  jit, where ids are data, such a (token, slot) pair contributes nothing to its
+  token (a token with no id in range gets zeros), as in
+  `reference.fused_moe_w4a8`.
+
+  Non-finite activations: a token whose row of x holds a NaN or an infinity
+  gets NaN in every element of its output (its int8 quantization scale is
+  NaN), and no other token's output changes, bit for bit (the quantization is
+  per row, tokens are independent), on every ISA path.
   """
   H, I, I2, group_size, activation_kind = map(int, (H, I, I2, group_size, activation_kind))
   x, topk_ids, topk_weights = jnp.asarray(x), jnp.asarray(topk_ids), jnp.asarray(topk_weights)

@@ -1,0 +1,30 @@
+"""Hypothesis profiles for the property tests (tests/test_properties.py).
+
+- `ci` (the default): bounded example counts; the property module runs in about 3 minutes on
+  2 cores, every CPU ISA path included.
+- `long` (HYPOTHESIS_PROFILE=long): 20x the examples (thousands in all), about 45 minutes.
+
+A property's example count is a fraction of the profile's `max_examples` (test_properties.py
+`examples`), so that cheap properties (packers) run many more examples than the fused op, whose
+every new shape compiles the jnp reference. Tests that set `max_examples` themselves keep it.
+No example database is written (`database=None`: nothing lands in the repository); a failure
+prints its reproduction blob (`print_blob`).
+"""
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+_COMMON = dict(
+    deadline=None,  # first calls of a shape compile: timing says nothing about correctness
+    database=None,
+    print_blob=True,
+    # No explain phase: it reruns a failing example hundreds of times to list the lines it
+    # reaches, each a fused-op call here.
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("ci", max_examples=100, **_COMMON)
+settings.register_profile("long", max_examples=2000, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
