@@ -490,3 +490,14 @@ def test_gpu_blocks_match_reference(scheme, group_size, act_order):
   y = nnx.jit(lambda m, x: m(x))(fast, x)
   assert y.shape == x.shape and y.dtype == jnp.bfloat16
   assert rel(y, slow(x)) <= TOLERANCE[jnp.bfloat16]  # SPEC §9 bf16, same scheme
+
+
+@pytest.mark.parametrize("impl", ["auto", "gather", "dense", "ragged_dot"])
+def test_float_experts_on_zero_tokens(impl):
+  w = float_weights(27)
+  x, logits = jnp.zeros((0, H), jnp.bfloat16), jnp.zeros((0, E), jnp.float32)
+  layer = dispatch.LayerSpec(E, H, I, RoutingOptions(top_k=K), in_dtype=jnp.bfloat16)
+  experts = dispatch.choose_experts("unquantized", layer, float_impl=impl).experts
+  out = experts.apply(x, logits, experts.prepare(w), layer.routing)
+  assert out.shape == (0, H) and out.dtype == jnp.bfloat16
+  assert fused_moe(x, logits, w, top_k=K).shape == (0, H)

@@ -112,6 +112,8 @@ class XlaFloatExperts(_FloatExpertsBase):
   def apply_routed(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
                    weights: Mapping[str, Array]) -> Array:
     require_arrays(type(self).__name__, weights, _NAMES)
+    if topk_ids.size == 0:  # nothing routed: zeros, as the references give
+      return jnp.zeros((hidden_states.shape[0], weights["w2"].shape[1]), hidden_states.dtype)
     impl = self.resolve_impl(topk_ids.shape[0])
     args = (hidden_states, topk_ids, topk_weights, weights["w13"], weights["w2"],
             weights.get("w13_bias"), weights.get("w2_bias"), self.activation)
@@ -162,7 +164,7 @@ def _float_moe_gather(x, topk_ids, topk_weights, w13, w2, b13, b2, activation, o
   y13 = _gemm(a, w13[ids], "ph,pih->pi", None if b13 is None else b13[ids], dtype)
   act = apply_activation(y13, activation).astype(dtype)
   y = _gemm(act, w2[ids], "pi,phi->ph", None if b2 is None else b2[ids], dtype)
-  return _combine_slots(y.reshape(t, k, -1), topk_weights, on_input)
+  return _combine_slots(y.reshape(t, k, y.shape[-1]), topk_weights, on_input)
 
 
 def _float_moe_dense(x, topk_ids, topk_weights, w13, w2, b13, b2, activation):
@@ -205,5 +207,5 @@ def _float_moe_ragged(x, topk_ids, topk_weights, w13, w2, b13, b2, activation, o
   if b2 is not None:
     y = y + b2[sorted_ids].astype(jnp.float32)
   y = y.astype(dtype)
-  per_pair = jnp.zeros((t * k, y.shape[-1]), dtype).at[order].set(y).reshape(t, k, -1)
+  per_pair = jnp.zeros((t * k, y.shape[-1]), dtype).at[order].set(y).reshape(t, k, y.shape[-1])
   return _combine_slots(per_pair, topk_weights, on_input)
