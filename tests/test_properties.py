@@ -437,6 +437,21 @@ def test_fused_moe_zero_tokens(scheme, request):
   assert out.shape == (0, h) and out.dtype == jnp.bfloat16
 
 
+def test_jit_with_closed_over_int4_weights():
+  """Weights closed over by a jitted function are concrete arrays inside a trace: the packer's
+  int4 range check must not trace them (it raised ConcretizationTypeError)."""
+  rng = np.random.default_rng(3)
+  w = int4_experts(rng, 4, 64, 32, 32, True)
+  x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+  logits = jnp.asarray(rng.standard_normal((5, 4)), jnp.float32)
+  eager = fused_moe(x, logits, w, top_k=2)
+  traced = jax.jit(lambda x, logits: fused_moe(x, logits, w, top_k=2))(x, logits)
+  np.testing.assert_array_equal(np.asarray(traced), np.asarray(eager))
+  packed = jax.jit(lambda: pack_w4a8(w))()
+  np.testing.assert_array_equal(np.asarray(packed.w13_packed),
+                                np.asarray(pack_w4a8(w).w13_packed))
+
+
 # ------------------------------------------------------------------ packers and their inverses
 @st.composite
 def int4_weights(draw, max_lead=2, max_out=32, max_in=256):

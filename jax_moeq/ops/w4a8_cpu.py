@@ -92,7 +92,9 @@ def _check_weight(name: str, q: Array, scale: Array, bias: Array | None, group_s
   if bias is not None and bias.shape != (e, n):
     raise ValueError(f"{name}_bias must have shape {(e, n)}, got {bias.shape}")
   if not isinstance(q, jax.core.Tracer):
-    lo, hi = int(jnp.min(q)), int(jnp.max(q))
+    # In numpy: under a jit trace, jnp.min of a concrete (closed-over) array is a tracer.
+    host = np.asarray(q)
+    lo, hi = (int(host.min()), int(host.max())) if host.size else (0, 0)
     if lo < -8 or hi > 7:
       raise ValueError(f"{name} holds values in [{lo}, {hi}], outside the int4 range [-8, 7]")
 
