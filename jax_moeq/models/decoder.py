@@ -186,14 +186,14 @@ class MoECausalLM(nnx.Module):
     return dict(self._generation_items)
 
   def moe_backends(self) -> dict[str, str]:
-    """{scheme: backend} of the MoE blocks ("float" for unquantized blocks)."""
+    """{scheme: backend} of the MoE blocks ("float": "xla (<float_impl>)" for float blocks)."""
     out: dict[str, str] = {}
     for layer in self.layers:
       mlp = layer.mlp
       if hasattr(mlp, "scheme"):
         out[mlp.scheme] = mlp.backend
       elif hasattr(mlp, "spec"):
-        out["float"] = getattr(mlp, "float_impl", "jnp")
+        out["float"] = f"xla ({mlp.float_impl})"
     return out
 
   def init_cache(self, batch: int, length: int) -> KVCache:
@@ -223,9 +223,11 @@ class MoECausalLM(nnx.Module):
     return logits
 
   def forward(self, input_ids: Array, cache: KVCache | None, write_index: Array | int,
-              pad: Array) -> tuple[Array, KVCache | None]:
+              pad: Array, *, last_only: bool = False) -> tuple[Array, KVCache | None]:
     """Logits [B, S, V] of tokens at slots write_index .. write_index + S - 1, with a cache
-    (read and written at those slots) or without one (the tokens attend to each other only)."""
+    (read and written at those slots) or without one (the tokens attend to each other only).
+    `last_only`: logits of the last position only ([B, 1, V]; a prefill needs no more, and the
+    LM head over every prompt position costs S times as much)."""
     b, s = input_ids.shape
     q_slots = jnp.asarray(write_index, jnp.int32) + jnp.arange(s, dtype=jnp.int32)
     num_keys = s if cache is None else cache.length
@@ -240,7 +242,7 @@ class MoECausalLM(nnx.Module):
         new_k.append(kv[0])
         new_v.append(kv[1])
     new_cache = None if cache is None else KVCache(tuple(new_k), tuple(new_v))
-    return self._logits(x), new_cache
+    return self._logits(x[:, -1:] if last_only else x), new_cache
 
 
 def _frozen(value: Any) -> Any:

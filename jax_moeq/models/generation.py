@@ -53,7 +53,7 @@ def _prefill(graphdef, state, input_ids, pad, rng, *, cache_len: int, temperatur
              top_p: float):
   model = nnx.merge(graphdef, state)
   cache = model.init_cache(input_ids.shape[0], cache_len)
-  logits, cache = model.forward(input_ids, cache, 0, pad)
+  logits, cache = model.forward(input_ids, cache, 0, pad, last_only=True)
   rng, key = jax.random.split(rng)
   return sample_tokens(logits[:, -1], key, temperature, top_p), cache, rng
 

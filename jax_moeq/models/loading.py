@@ -235,20 +235,28 @@ def _dense_mlp(source, cfg: config_lib.DecoderConfig, index: int, dtype) -> deco
                            "down_proj": source.linear(f"{p}.down_proj", h, i)}, dtype)
 
 
+_quantize_experts = jax.jit(lambda w13, w2, g: _quantize(w13, w2, g), static_argnums=2)
+
+
+def _quantize(w13, w2, group_size: int):
+  from jax_moeq.weights import FloatMoEWeights, quantize_moe_weights
+  return quantize_moe_weights(FloatMoEWeights(w13, w2), group_size)
+
+
 def _moe_block(layer, cfg: config_lib.DecoderConfig, dtype, *, scheme: str | None,
                quantize_to: str | None, group_size: int | None, moe_backend: str,
-               allow_activation_quantization: bool):
+               allow_activation_quantization: bool, float_impl: str):
   """The layer's MoE block: int4 as stored, float quantized to `quantize_to`, or float."""
   from jax_moeq import nn as moe_nn
-  from jax_moeq.weights import FloatMoEWeights, quantize_moe_weights
   opts = dict(renormalize=cfg.norm_topk_prob, dtype=dtype, param_dtype=dtype)
   if layer.quantized or quantize_to is None:
+    extra = {} if layer.quantized else {"float_impl": float_impl}
     return moe_nn.moe_from_checkpoint_layer(
         layer, cfg.top_k, scheme=scheme, moe_backend=moe_backend,
-        allow_activation_quantization=allow_activation_quantization, **opts)
-  float_weights = FloatMoEWeights(jnp.asarray(layer.w13, jnp.float32),
-                                  jnp.asarray(layer.w2, jnp.float32))
-  int4 = quantize_moe_weights(float_weights, group_size)
+        allow_activation_quantization=allow_activation_quantization, **extra, **opts)
+  # One compiled quantizer per layer shape (eager jnp ops took ~70 s per Qwen3-30B layer).
+  int4 = _quantize_experts(jnp.asarray(layer.w13, jnp.float32), jnp.asarray(layer.w2, jnp.float32),
+                           group_size)
   e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
   return moe_nn.QuantizedMoE(e, cfg.top_k, h, i, scheme=quantize_to, group_size=group_size,
                              moe_backend=moe_backend,
@@ -287,7 +295,7 @@ def _plan_quantization(qcfg, cfg: config_lib.DecoderConfig, quantization: str | 
 
 def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: str | None = None,
                 group_size: int | None = None, moe_backend: str = "auto", qcfg=None,
-                allow_activation_quantization: bool | None = None,
+                allow_activation_quantization: bool | None = None, float_impl: str = "auto",
                 generation_config: dict | None = None, show_progress: bool = True
                 ) -> decoder.MoECausalLM:
   """Builds the model layer by layer from a tensor source (checkpoint or random)."""
@@ -307,7 +315,7 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
       if cfg.sparse_layers[index]:
         mlp = _moe_block(source.moe_layer(index), cfg, dtype, scheme=scheme,
                          quantize_to=quantize_to, group_size=group_size, moe_backend=moe_backend,
-                         allow_activation_quantization=allow)
+                         allow_activation_quantization=allow, float_impl=float_impl)
       else:
         mlp = _dense_mlp(source, cfg, index, dtype)
       layers.append(decoder.DecoderLayer(cfg, weights, mlp, dtype))
@@ -323,7 +331,7 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
 
 def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = None,
                     moe_backend: str = "auto", group_size: int | None = None,
-                    allow_activation_quantization: bool | None = None,
+                    allow_activation_quantization: bool | None = None, float_impl: str = "auto",
                     show_progress: bool = True) -> decoder.MoECausalLM:
   """Loads a Hugging Face MoE checkpoint directory (qwen3_moe, mixtral, olmoe) as an NNX model.
 
@@ -343,6 +351,8 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
       I; 32 for mxint4).
     allow_activation_quantization: let weight-only int4 experts run on the CPU W4A8 kernel
       (default: only when the checkpoint or `quantization` is W4A8).
+    float_impl: the computation of float MoE blocks ("auto", "gather", "dense", "ragged_dot";
+      `jax_moeq.nn.MoE`).
 
   Returns:
     `MoECausalLM`: `model(input_ids [B, S]) -> logits [B, S, vocab]` (float32), jittable.
@@ -363,7 +373,8 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
   model = build_model(cfg, source, dt, quantization=quantization, group_size=group_size,
                       moe_backend=moe_backend, qcfg=qcfg,
                       allow_activation_quantization=allow_activation_quantization,
-                      generation_config=generation, show_progress=show_progress)
+                      float_impl=float_impl, generation_config=generation,
+                      show_progress=show_progress)
   logger.info("loaded %s (%s, %d layers) from %s: experts %s", cfg.model_type, dt,
               cfg.num_layers, path, model.moe_backends())
   return model
@@ -371,7 +382,7 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
 
 def from_config(config_json: Mapping[str, Any], *, dtype="float32", quantization: str | None = None,
                 group_size: int | None = None, moe_backend: str = "auto", seed: int = 0,
-                allow_activation_quantization: bool | None = None,
+                allow_activation_quantization: bool | None = None, float_impl: str = "auto",
                 show_progress: bool = False) -> decoder.MoECausalLM:
   """A model of a `config.json` dict with random weights (std 0.02), built layer by layer."""
   cfg = decoder_config(config_json)
@@ -379,4 +390,4 @@ def from_config(config_json: Mapping[str, Any], *, dtype="float32", quantization
   return build_model(cfg, _RandomSource(cfg, seed, dt), dt, quantization=quantization,
                      group_size=group_size, moe_backend=moe_backend,
                      allow_activation_quantization=allow_activation_quantization,
-                     show_progress=show_progress)
+                     float_impl=float_impl, show_progress=show_progress)
