@@ -81,7 +81,8 @@ def quantize_activations_int8(x: Array) -> tuple[Array, Array, Array]:
 
   Returns:
     (qa int8 [..., K], scale float32 [...], zp int32 [...]); rows with max == min (all zero,
-    the range always includes 0) give qa 0, scale 0, zp 0; rows holding a NaN or an infinity
+    the range always includes 0), or a range so small (below ~7.5e-37) that 1 / scale
+    overflows, give qa 0, scale 0, zp 0; rows holding a NaN or an infinity
     give qa 0, zp 0 and scale NaN (every GEMM output of the row is NaN, as in the kernel).
     Dequantized: (qa - zp) * scale.
   """
@@ -93,9 +94,12 @@ def quantize_activations_int8(x: Array) -> tuple[Array, Array, Array]:
   x = x.astype(jnp.float32)
   rmin = jnp.minimum(jnp.min(x, axis=-1), 0.0)
   rmax = jnp.maximum(jnp.max(x, axis=-1), 0.0)
-  empty = rmax == rmin
-  scale = jnp.where(empty, 0.0, _exact_divide(rmax - rmin, 255.0))
-  inv = jnp.where(empty, 0.0, _exact_divide(1.0, jnp.where(empty, 1.0, scale)))
+  scale = _exact_divide(rmax - rmin, 255.0)
+  inv = _exact_divide(1.0, scale)
+  # A range so small that 1 / scale overflows (subnormal or flushed scale) counts as empty.
+  empty = (rmax == rmin) | ~(inv <= jnp.finfo(jnp.float32).max)
+  scale = jnp.where(empty, 0.0, scale)
+  inv = jnp.where(empty, 0.0, inv)
   min_term = jnp.float32(-128.0) + rmin * inv
   max_term = jnp.float32(127.0) + rmax * inv
   zp = jnp.where(min_term + max_term > 0.0, jnp.float32(-128.0) - rmin * inv,

@@ -97,6 +97,24 @@ def test_one_row_changes_no_other_row(isa, dtype):
           assert (np.isfinite(row).all() if finite else np.isnan(row).all()), what
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_tiny_range_rows_quantize_as_zero_rows(isa):
+  """A float32 row whose range is so small (here 1e-36 down to 1e-45) that 1 / scale overflows
+  quantizes to zeros with scale 0, as an all-zero row does (before, x * inf reached the float
+  -> int32 conversion: undefined behaviour); the reference agrees, other rows unchanged."""
+  p = _problem(jnp.float32, False, t=6, seed=3)
+  zero = p.x.copy()
+  zero[1] = 0
+  with forced_isa(isa):
+    want = np.asarray(p.kernel(x=zero))
+    for scale in (1e-36, 3e-37, 1e-38, 1e-40, 1e-45):
+      x = p.x.copy()
+      x[1] = (x[1] * scale).astype(np.float32)
+      got = np.asarray(p.kernel(x=x))
+      np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{isa} scale {scale}")
+      np.testing.assert_allclose(np.asarray(p.reference(x=x)), got, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------ determinism
 _DETERMINISM = """
 import json, os, sys

@@ -86,16 +86,18 @@ inline float RoundTo(ElementType t, float v) {
 // SPEC §3 (KleidiAI qai8dxp / XNNPACK): from the row's range (0 included),
 // the scale, its inverse and the integer zero point, in float32 in the
 // written order (built with -ffp-contract=off). False when the range is
-// empty: the row quantizes to zeros with scale 0.
+// empty, or so small (below ~7.5e-37, a subnormal or flushed scale) that
+// 1 / scale overflows: the row quantizes to zeros with scale 0 (x * inf
+// would reach the float -> int32 conversion, undefined behaviour).
 inline bool QuantizationParams(float rmin, float rmax, float* scale, float* inv, int32_t* zp) {
-  if (rmax == rmin) {
+  const float s = rmax == rmin ? 0.0f : (rmax - rmin) / 255.0f;
+  const float i = s == 0.0f ? 0.0f : 1.0f / s;
+  if (s == 0.0f || !(i <= 3.40282347e38f)) {
     *scale = 0.0f;
     *inv = 0.0f;
     *zp = 0;
     return false;
   }
-  const float s = (rmax - rmin) / 255.0f;
-  const float i = 1.0f / s;
   const float min_term = -128.0f + rmin * i;
   const float max_term = 127.0f + rmax * i;
   float z = (min_term + max_term > 0.0f) ? (-128.0f - rmin * i) : (127.0f - rmax * i);
