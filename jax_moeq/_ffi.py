@@ -6,15 +6,24 @@ package. The CUDA library is a plain C-ABI shared object
 on the Python version; it exists only where nvcc was found at build time.
 Both register their handlers with XLA exactly once, on first use, and only when
 their FFI contract version (xla_ffi/abi_version.h) is this package's FFI_ABI_VERSION.
+The first use may come from several threads at once (a server's request threads): each
+loader runs under a lock, so one thread loads and registers while the others wait for it.
+JAX_MOEQ_CPU_LIBRARY (a path to a built `_cpu_ffi` extension) loads that file in place of
+the package's (scripts/sanitize_cpu_tests.sh points it at a sanitizer build), as
+JAX_MOEQ_CUDA_LIBRARY does for the CUDA library.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import logging
 import os
+import sys
+import threading
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import jax
 
@@ -44,11 +53,60 @@ def _check_abi_version(what: str, version: int | None) -> None:
         "scripts/dev_build.sh)")
 
 
-@functools.cache
-def cpu_module():
-  """Returns the CPU extension module, with its FFI targets registered."""
-  try:
+_T = TypeVar("_T")
+# Serializes the one-time loads and registrations (re-entrant: a loader may call another).
+_LOAD_LOCK = threading.RLock()
+_UNSET = object()
+
+
+def _once(load: Callable[[], _T]) -> Callable[[], _T]:
+  """`load()` run once per process on success, the result kept; safe for concurrent first
+  calls: they wait under `_LOAD_LOCK` for the one that loads (functools.cache lets each of
+  them run `load` at once). A failure is not kept: the next call tries again."""
+  result = _UNSET
+
+  @functools.wraps(load)
+  def once():
+    nonlocal result
+    value = result  # one read: set at most once, never unset but by cache_clear
+    if value is not _UNSET:
+      return value
+    with _LOAD_LOCK:
+      if result is _UNSET:
+        result = load()
+      return result
+
+  def cache_clear():
+    nonlocal result
+    with _LOAD_LOCK:
+      result = _UNSET
+
+  once.cache_clear = cache_clear
+  return once
+
+
+def _import_cpu_extension():
+  override = os.environ.get("JAX_MOEQ_CPU_LIBRARY")
+  if not override:
     from jax_moeq import _cpu_ffi  # pytype: disable=import-error
+    return _cpu_ffi
+  if not Path(override).is_file():
+    raise ImportError(f"JAX_MOEQ_CPU_LIBRARY={override} is not a file")
+  name = f"{__package__}._cpu_ffi"
+  spec = importlib.util.spec_from_file_location(name, override)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"JAX_MOEQ_CPU_LIBRARY={override} is not an extension module")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  sys.modules[name] = module
+  return module
+
+
+@_once
+def cpu_module():
+  """Returns the CPU extension module, with its FFI targets registered (once per process)."""
+  try:
+    _cpu_ffi = _import_cpu_extension()
   except ImportError as e:
     raise NativeLibraryError(
         "jax_moeq's CPU library (jax_moeq._cpu_ffi) is not built; install the "
@@ -93,7 +151,7 @@ def _cuda_library_path() -> Path | None:
   return None
 
 
-@functools.cache
+@_once
 def cuda_library() -> ctypes.CDLL:
   """Returns the CUDA library, with its FFI targets registered for CUDA.
 
@@ -111,7 +169,13 @@ def cuda_library() -> ctypes.CDLL:
 
 def load_cuda_library(path: Path) -> ctypes.CDLL:
   """Loads the CUDA library at `path`, checks its FFI contract version, and registers its
-  handlers for CUDA (uncached: `cuda_library` is the once-per-process entry point)."""
+  handlers for CUDA (uncached: `cuda_library` is the once-per-process entry point; the
+  registration runs under the loaders' lock all the same)."""
+  with _LOAD_LOCK:
+    return _load_cuda_library_locked(path)
+
+
+def _load_cuda_library_locked(path: Path) -> ctypes.CDLL:
   lib = ctypes.CDLL(str(path))
   try:
     version_of = lib.jax_moeq_cuda_abi_version

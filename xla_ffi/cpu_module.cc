@@ -38,6 +38,31 @@ PYBIND11_MODULE(_cpu_ffi, m) {
     if (!error.empty()) throw py::value_error(error);
     return std::string(jax_moeq::cpu::IsaName(isa));
   }, "The SIMD path the kernels will use now (honours JAX_MOEQ_CPU_ISA).");
+  m.def("w4a8_moe_chunk_tokens",
+        [](int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+           int64_t group_size, bool apply_router_weight_on_input) {
+          namespace cpu = jax_moeq::cpu;
+          if (tokens < 0 || top_k < 0 || top_k > cpu::kW4A8MaxTopK || hidden < 1 ||
+              hidden > cpu::kW4A8MaxFeatures || intermediate < 1 ||
+              intermediate > cpu::kW4A8MaxFeatures) {
+            throw py::value_error("w4a8_moe_chunk_tokens: sizes out of the op's range");
+          }
+          jax_moeq::cpu::W4A8MoeProblem p{};
+          p.tokens = tokens;
+          p.top_k = top_k;
+          p.hidden = hidden;
+          p.intermediate = intermediate;
+          p.group_size = group_size;
+          p.apply_router_weight_on_input = apply_router_weight_on_input;
+          return jax_moeq::cpu::W4A8MoeChunkTokens(p);
+        },
+        py::arg("tokens"), py::arg("top_k"), py::arg("hidden"), py::arg("intermediate"),
+        py::arg("group_size"), py::arg("apply_router_weight_on_input") = false,
+        "Tokens the W4A8 MoE op runs per chunk (its scratch is bounded by the chunk).");
+  m.def("w4a8_moe_scratch_budget_bytes",
+        []() { return jax_moeq::cpu::kW4A8MoeScratchBudgetBytes; });
+  m.def("w4a8_moe_scratch_high_water", &jax_moeq::cpu::W4A8MoeScratchHighWater,
+        "The most scratch bytes one chunk of a W4A8 MoE call has held in this process.");
   m.def("w4a8_packed_bytes", &jax_moeq::cpu::W4A8PackedBytes, py::arg("n"), py::arg("k"),
         py::arg("group_size"), "Bytes of one expert's packed weights (N outputs, K inputs).");
 }

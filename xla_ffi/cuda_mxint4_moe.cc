@@ -2,7 +2,9 @@
 // and attributes, validate, enqueue the launchers of csrc/cuda on XLA's stream.
 #include <cuda_runtime.h>
 
+#include <limits>
 #include <string>
+#include <utility>
 
 #include "cuda/mxint4_moe.h"
 #include "xla/ffi/api/ffi.h"
@@ -52,6 +54,10 @@ ffi::Error CheckScratch(const char* name, const ffi::AnyBuffer& buffer, ffi::Dat
   return ffi::Error::Success();
 }
 
+bool FitsInt(int64_t v) {
+  return v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max();
+}
+
 #define RETURN_IF_ERROR(expr)    \
   do {                           \
     ffi::Error _e = (expr);      \
@@ -75,6 +81,16 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
                          float routed_scaling_factor, bool has_bias, int64_t block_m,
                          int64_t split13, int64_t split2, int64_t mainloop, bool one_token,
                          bool fused_decode) {
+  // Attributes narrowed to int below: out of int32 they are refused, not wrapped
+  // (routing_method 2^32 + 2 would otherwise pass as 2).
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"routing_method", routing_method},
+        {"num_expert_group", num_expert_group}, {"topk_group", topk_group},
+        {"block_m", block_m}, {"split13", split13}, {"split2", split2}, {"mainloop", mainloop}}) {
+    if (!FitsInt(value)) {
+      return Invalid(std::string(name) + " " + std::to_string(value) + " is out of range");
+    }
+  }
   cuda::MxInt4MoeProblem p;
   const auto xd = x.dimensions();
   if (xd.size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(xd));

@@ -2,7 +2,9 @@
 // validate, enqueue the launchers of csrc/cuda on XLA's stream.
 #include <cuda_runtime.h>
 
+#include <limits>
 #include <string>
+#include <utility>
 
 #include "cuda/wna16_moe.h"
 #include "xla/ffi/api/ffi.h"
@@ -41,6 +43,10 @@ ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buffer,
                  w + "]");
 }
 
+bool FitsInt(int64_t v) {
+  return v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max();
+}
+
 #define RETURN_IF_ERROR(expr)          \
   do {                                 \
     ffi::Error _e = (expr);            \
@@ -61,6 +67,15 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
                         int64_t groups13, int64_t groups2, int64_t block_m, int64_t split13,
                         int64_t split2, int64_t activation_kind, bool has_zeros, bool has_bias,
                         bool act_order, int64_t mainloop, bool one_token, bool fused_decode) {
+  // Attributes narrowed to int below: out of int32 they are refused, not wrapped (block_m
+  // 2^32 + 8 would otherwise pass as 8).
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"block_m", block_m}, {"split13", split13},
+        {"split2", split2}, {"activation_kind", activation_kind}, {"mainloop", mainloop}}) {
+    if (!FitsInt(value)) {
+      return Invalid(std::string(name) + " " + std::to_string(value) + " is out of range");
+    }
+  }
   cuda::Wna16MoeProblem p;
   switch (x.element_type()) {
     case ffi::BF16: p.dtype = cuda::HalfKind::kBF16; break;

@@ -23,7 +23,13 @@ bool ParseIsa(const std::string& name, Isa* isa) {
   return false;
 }
 
-std::vector<Isa> AvailableIsas() {
+namespace {
+
+// CPU feature detection, run once per process: __builtin_cpu_init writes libgcc's global
+// feature table, so calls from the handler's concurrent first uses would race on it (and cost
+// a few cpuid instructions on every call). A function-local static is initialized exactly once,
+// other threads waiting for it (C++11 [stmt.dcl]).
+std::vector<Isa> DetectIsas() {
   std::vector<Isa> isas;
 #if defined(JAX_MOEQ_X86)
   __builtin_cpu_init();
@@ -40,8 +46,15 @@ std::vector<Isa> AvailableIsas() {
   return isas;
 }
 
+}  // namespace
+
+const std::vector<Isa>& AvailableIsas() {
+  static const std::vector<Isa> isas = DetectIsas();
+  return isas;
+}
+
 Isa SelectIsa(std::string* error) {
-  std::vector<Isa> available = AvailableIsas();
+  const std::vector<Isa>& available = AvailableIsas();
   const char* forced = std::getenv("JAX_MOEQ_CPU_ISA");
   if (forced == nullptr || *forced == '\0') return available.front();
   Isa isa;

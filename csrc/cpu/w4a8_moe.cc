@@ -1,7 +1,9 @@
 #include "cpu/w4a8_moe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu/w4a8_gemm.h"
@@ -12,18 +14,34 @@ namespace jax_moeq::cpu {
 namespace {
 
 // --------------------------------------------------------------- scratch
+// The most scratch bytes any one thread's Scratch has held (W4A8MoeScratchHighWater).
+std::atomic<int64_t> scratch_high_water{0};
+
+// At least n elements (contents not kept); a new allocation is exactly n, not the doubling of
+// resize, so the scratch stays within the chunk's budget. Adds the capacity to *bytes.
 template <typename T>
-T* Grow(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+T* Grow(std::vector<T>& v, int64_t n, int64_t* bytes) {
+  if (static_cast<int64_t>(v.size()) < n) std::vector<T>(static_cast<size_t>(n)).swap(v);
+  *bytes += static_cast<int64_t>(v.capacity() * sizeof(T));
   return v.data();
 }
 
+// Per calling thread, kept between calls (grown, never shrunk): bounded by the chunking below.
 struct Scratch {
   std::vector<int32_t> counts, offsets, sorted_slot, slot_pos, rows1, rows2;
   std::vector<int8_t> q1, q2;
   std::vector<float> s1, s2, y13, y2;
   std::vector<int32_t> zp1, zp2, sum1, sum2;
 };
+
+void NoteScratchBytes(int64_t bytes) {
+  int64_t seen = scratch_high_water.load(std::memory_order_relaxed);
+  while (bytes > seen &&
+         !scratch_high_water.compare_exchange_weak(seen, bytes, std::memory_order_relaxed)) {
+  }
+}
+
+size_t ElementBytes(ElementType t) { return t == ElementType::kF32 ? 4 : 2; }
 
 struct GemmItem {
   int64_t expert;
@@ -74,6 +92,102 @@ void RunGemm(Isa isa, const std::vector<GemmItem>& items, const uint8_t* weights
   });
 }
 
+// One chunk of tokens (ids already checked; its slots fit int32: W4A8MoeChunkTokens).
+void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for) {
+  const int64_t T = p.tokens, K = p.top_k, E = p.experts, H = p.hidden, I = p.intermediate;
+  const int64_t slots = T * K;
+  static thread_local Scratch sc;
+  int64_t bytes = 0;  // this call's scratch, for W4A8MoeScratchHighWater
+  const PackedGemmShape shape13{2 * I, H, p.group_size == -1 ? H : p.group_size};
+  const PackedGemmShape shape2{H, I, p.group_size == -1 ? I : p.group_size};
+  const int64_t g1 = shape13.groups(), g2 = shape2.groups();
+
+  // Bucket slots by expert (stable counting sort).
+  sc.counts.assign(E, 0);
+  for (int64_t s = 0; s < slots; ++s) ++sc.counts[p.topk_ids[s]];
+  sc.offsets.assign(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) sc.offsets[e + 1] = sc.offsets[e] + sc.counts[e];
+  bytes += static_cast<int64_t>((sc.counts.capacity() + sc.offsets.capacity()) * 4);
+  int32_t* sorted_slot = Grow(sc.sorted_slot, slots, &bytes);
+  int32_t* slot_pos = Grow(sc.slot_pos, slots, &bytes);
+  {
+    std::vector<int32_t> fill(sc.offsets.begin(), sc.offsets.end() - 1);
+    for (int64_t s = 0; s < slots; ++s) {
+      const int32_t pos = fill[p.topk_ids[s]]++;
+      sorted_slot[pos] = static_cast<int32_t>(s);
+      slot_pos[s] = pos;
+    }
+  }
+
+  // Stage 1: quantize GEMM1 inputs: once per token, or per slot when the
+  // router weight scales the input first.
+  const bool per_slot = p.apply_router_weight_on_input;
+  const int64_t rows1_count = per_slot ? slots : T;
+  int8_t* q1 = Grow(sc.q1, rows1_count * H, &bytes);
+  float* s1 = Grow(sc.s1, rows1_count, &bytes);
+  int32_t* zp1 = Grow(sc.zp1, rows1_count, &bytes);
+  int32_t* sum1 = Grow(sc.sum1, rows1_count * g1, &bytes);
+  int32_t* rows1 = Grow(sc.rows1, slots, &bytes);
+  for (int64_t pos = 0; pos < slots; ++pos) {
+    rows1[pos] = per_slot ? static_cast<int32_t>(pos) : sorted_slot[pos] / static_cast<int32_t>(K);
+  }
+  const RowOps& ops = RowOpsFor(isa);
+  parallel_for(rows1_count, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t slot = per_slot ? sorted_slot[r] : -1;
+      ops.load(p.dtype, p.x, per_slot ? slot / K : r, H, row.data());
+      if (per_slot) ops.scale_round(p.dtype, p.topk_weights[slot], row.data(), H);
+      ops.quantize(row.data(), H, shape13.group, q1 + r * H, s1 + r, zp1 + r, sum1 + r * g1);
+    }
+  });
+
+  // Stage 2: GEMM1 -> y13 [slots][2I] in float32, slots in expert order.
+  float* y13 = Grow(sc.y13, slots * 2 * I, &bytes);
+  const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I);
+  RunGemm(isa, items13, p.w13_packed, shape13.total_bytes(), shape13,
+          QuantizedActivations{q1, s1, zp1, sum1}, rows1, sc.counts, sc.offsets, y13,
+          parallel_for);
+
+  // Stage 3: round, gated activation, round, quantize for GEMM2.
+  int8_t* q2 = Grow(sc.q2, slots * I, &bytes);
+  float* s2 = Grow(sc.s2, slots, &bytes);
+  int32_t* zp2 = Grow(sc.zp2, slots, &bytes);
+  int32_t* sum2 = Grow(sc.sum2, slots * g2, &bytes);
+  int32_t* rows2 = Grow(sc.rows2, slots, &bytes);
+  for (int64_t pos = 0; pos < slots; ++pos) rows2[pos] = static_cast<int32_t>(pos);
+  parallel_for(slots, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(I);
+    for (int64_t r = begin; r < end; ++r) {
+      float* y = y13 + r * 2 * I;
+      ops.activate(p.dtype, p.activation, y, y + I, I, act.data());
+      ops.quantize(act.data(), I, shape2.group, q2 + r * I, s2 + r, zp2 + r, sum2 + r * g2);
+    }
+  });
+
+  // Stage 4: GEMM2 -> y2 [slots][H].
+  float* y2 = Grow(sc.y2, slots * H, &bytes);
+  const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H);
+  RunGemm(isa, items2, p.w2_packed, shape2.total_bytes(), shape2,
+          QuantizedActivations{q2, s2, zp2, sum2}, rows2, sc.counts, sc.offsets, y2,
+          parallel_for);
+
+  // Stage 5: weighted sum over slots, in slot order, in the output dtype.
+  parallel_for(T, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t slot = t * K + k;
+        ops.accumulate(p.dtype, y2 + static_cast<int64_t>(slot_pos[slot]) * H,
+                       p.topk_weights[slot], !per_slot, acc.data(), H);
+      }
+      ops.store(p.dtype, acc.data(), H, p.out, t);
+    }
+  });
+  NoteScratchBytes(bytes);
+}
+
 }  // namespace
 
 int64_t W4A8PackedBytes(int64_t n, int64_t k, int64_t group_size) {
@@ -84,6 +198,18 @@ int64_t W4A8PackedBytes(int64_t n, int64_t k, int64_t group_size) {
 std::string ValidateW4A8MoeShapes(const W4A8MoeProblem& p, int64_t w13_bytes, int64_t w2_bytes) {
   const int64_t h = p.hidden, i = p.intermediate, g = p.group_size;
   if (h <= 0 || i <= 0) return "hidden and intermediate sizes must be positive";
+  // Before any product of sizes: the packed sizes below stay far inside int64, and a GEMM's
+  // int32 dot products over a channel-wise group of K inputs cannot overflow (|sum| <= 1920 K).
+  if (h > kW4A8MaxFeatures || i > kW4A8MaxFeatures) {
+    return "hidden size " + std::to_string(h) + " and intermediate size " + std::to_string(i) +
+           " must be at most " + std::to_string(kW4A8MaxFeatures) +
+           " (int32 dot products over a channel-wise group)";
+  }
+  if (p.tokens < 0 || p.top_k < 0 || p.experts < 0) return "negative dimension";
+  if (p.top_k > kW4A8MaxTopK) {
+    return "top_k " + std::to_string(p.top_k) + " exceeds " + std::to_string(kW4A8MaxTopK) +
+           " (a chunk's (token, slot) pairs are indexed in int32)";
+  }
   if (h % 16 != 0) return "hidden size " + std::to_string(h) + " is not a multiple of 16";
   if (i % 16 != 0) return "intermediate size " + std::to_string(i) + " is not a multiple of 16";
   if (g != 32 && g != 64 && g != 128 && g != -1) {
@@ -107,8 +233,33 @@ std::string ValidateW4A8MoeShapes(const W4A8MoeProblem& p, int64_t w13_bytes, in
   return "";
 }
 
+int64_t W4A8MoeScratchBytesPerToken(const W4A8MoeProblem& p) {
+  const int64_t K = p.top_k, H = p.hidden, I = p.intermediate;
+  const int64_t g1 = p.group_size > 0 ? H / p.group_size : 1;  // -1: channel-wise
+  const int64_t g2 = p.group_size > 0 ? I / p.group_size : 1;
+  // GEMM1 inputs (q1, s1, zp1, sum1): one row per token, or per slot when the router weight
+  // scales the input.
+  const int64_t rows1 = p.apply_router_weight_on_input ? K : 1;
+  const int64_t per_row1 = H + 4 + 4 + 4 * g1;
+  // Per slot: sorted_slot, slot_pos, rows1, rows2; y13 (f32 2I), q2, s2, zp2, sum2; y2 (f32 H).
+  const int64_t per_slot = 16 + 8 * I + I + 8 + 4 * g2 + 4 * H;
+  return std::max<int64_t>(1, rows1 * per_row1 + K * per_slot);
+}
+
+int64_t W4A8MoeChunkTokens(const W4A8MoeProblem& p) {
+  const int64_t K = std::max<int64_t>(1, p.top_k);
+  int64_t chunk = std::max(kW4A8MoeMinChunkTokens,
+                           kW4A8MoeScratchBudgetBytes / W4A8MoeScratchBytesPerToken(p));
+  // Slots of a chunk are indexed in int32 (ValidateW4A8MoeShapes bounds top_k for that).
+  chunk = std::max<int64_t>(1, std::min(chunk, std::numeric_limits<int32_t>::max() / K));
+  if (p.tokens <= chunk) return std::max<int64_t>(1, p.tokens);
+  // Chunks of equal size (the last one not a sliver).
+  const int64_t chunks = (p.tokens + chunk - 1) / chunk;
+  return (p.tokens + chunks - 1) / chunks;
+}
+
 std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for) {
-  const int64_t T = p.tokens, K = p.top_k, E = p.experts, H = p.hidden, I = p.intermediate;
+  const int64_t T = p.tokens, K = p.top_k, E = p.experts;
   const int64_t slots = T * K;
   for (int64_t s = 0; s < slots; ++s) {
     const int32_t e = p.topk_ids[s];
@@ -119,95 +270,22 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
     }
   }
   if (T == 0) return "";
-
-  static thread_local Scratch sc;
-  const PackedGemmShape shape13{2 * I, H, p.group_size == -1 ? H : p.group_size};
-  const PackedGemmShape shape2{H, I, p.group_size == -1 ? I : p.group_size};
-  const int64_t g1 = shape13.groups(), g2 = shape2.groups();
-
-  // Bucket slots by expert (stable counting sort).
-  sc.counts.assign(E, 0);
-  for (int64_t s = 0; s < slots; ++s) ++sc.counts[p.topk_ids[s]];
-  sc.offsets.assign(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) sc.offsets[e + 1] = sc.offsets[e] + sc.counts[e];
-  int32_t* sorted_slot = Grow(sc.sorted_slot, slots);
-  int32_t* slot_pos = Grow(sc.slot_pos, slots);
-  {
-    std::vector<int32_t> fill(sc.offsets.begin(), sc.offsets.end() - 1);
-    for (int64_t s = 0; s < slots; ++s) {
-      const int32_t pos = fill[p.topk_ids[s]]++;
-      sorted_slot[pos] = static_cast<int32_t>(s);
-      slot_pos[s] = pos;
-    }
+  // Tokens are independent: chunks of them are exact, and bound the scratch whatever T is
+  // (before, it grew with T: ~T * K * (9I + 5H) bytes, kept per calling thread).
+  const int64_t chunk = W4A8MoeChunkTokens(p);
+  const size_t row_bytes = ElementBytes(p.dtype) * static_cast<size_t>(p.hidden);
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    W4A8MoeProblem c = p;
+    c.tokens = std::min(chunk, T - t0);
+    c.x = static_cast<const char*>(p.x) + static_cast<size_t>(t0) * row_bytes;
+    c.out = static_cast<char*>(p.out) + static_cast<size_t>(t0) * row_bytes;
+    c.topk_ids = p.topk_ids + t0 * K;
+    c.topk_weights = p.topk_weights + t0 * K;
+    RunChunk(c, isa, parallel_for);
   }
-
-  // Stage 1: quantize GEMM1 inputs: once per token, or per slot when the
-  // router weight scales the input first.
-  const bool per_slot = p.apply_router_weight_on_input;
-  const int64_t rows1_count = per_slot ? slots : T;
-  int8_t* q1 = Grow(sc.q1, rows1_count * H);
-  float* s1 = Grow(sc.s1, rows1_count);
-  int32_t* zp1 = Grow(sc.zp1, rows1_count);
-  int32_t* sum1 = Grow(sc.sum1, rows1_count * g1);
-  int32_t* rows1 = Grow(sc.rows1, slots);
-  for (int64_t pos = 0; pos < slots; ++pos) {
-    rows1[pos] = per_slot ? static_cast<int32_t>(pos) : sorted_slot[pos] / static_cast<int32_t>(K);
-  }
-  const RowOps& ops = RowOpsFor(isa);
-  parallel_for(rows1_count, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(H);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t slot = per_slot ? sorted_slot[r] : -1;
-      ops.load(p.dtype, p.x, per_slot ? slot / K : r, H, row.data());
-      if (per_slot) ops.scale_round(p.dtype, p.topk_weights[slot], row.data(), H);
-      ops.quantize(row.data(), H, shape13.group, q1 + r * H, s1 + r, zp1 + r, sum1 + r * g1);
-    }
-  });
-
-  // Stage 2: GEMM1 -> y13 [slots][2I] in float32, slots in expert order.
-  float* y13 = Grow(sc.y13, slots * 2 * I);
-  const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I);
-  RunGemm(isa, items13, p.w13_packed, shape13.total_bytes(), shape13,
-          QuantizedActivations{q1, s1, zp1, sum1}, rows1, sc.counts, sc.offsets, y13,
-          parallel_for);
-
-  // Stage 3: round, gated activation, round, quantize for GEMM2.
-  int8_t* q2 = Grow(sc.q2, slots * I);
-  float* s2 = Grow(sc.s2, slots);
-  int32_t* zp2 = Grow(sc.zp2, slots);
-  int32_t* sum2 = Grow(sc.sum2, slots * g2);
-  int32_t* rows2 = Grow(sc.rows2, slots);
-  for (int64_t pos = 0; pos < slots; ++pos) rows2[pos] = static_cast<int32_t>(pos);
-  parallel_for(slots, [&](int64_t begin, int64_t end) {
-    std::vector<float> act(I);
-    for (int64_t r = begin; r < end; ++r) {
-      float* y = y13 + r * 2 * I;
-      ops.activate(p.dtype, p.activation, y, y + I, I, act.data());
-      ops.quantize(act.data(), I, shape2.group, q2 + r * I, s2 + r, zp2 + r, sum2 + r * g2);
-    }
-  });
-
-  // Stage 4: GEMM2 -> y2 [slots][H].
-  float* y2 = Grow(sc.y2, slots * H);
-  const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H);
-  RunGemm(isa, items2, p.w2_packed, shape2.total_bytes(), shape2,
-          QuantizedActivations{q2, s2, zp2, sum2}, rows2, sc.counts, sc.offsets, y2,
-          parallel_for);
-
-  // Stage 5: weighted sum over slots, in slot order, in the output dtype.
-  parallel_for(T, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(H);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t slot = t * K + k;
-        ops.accumulate(p.dtype, y2 + static_cast<int64_t>(slot_pos[slot]) * H,
-                       p.topk_weights[slot], !per_slot, acc.data(), H);
-      }
-      ops.store(p.dtype, acc.data(), H, p.out, t);
-    }
-  });
   return "";
 }
+
+int64_t W4A8MoeScratchHighWater() { return scratch_high_water.load(); }
 
 }  // namespace jax_moeq::cpu

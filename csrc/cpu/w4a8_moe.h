@@ -34,6 +34,21 @@ struct W4A8MoeProblem {
 // and returns when every piece is done.
 using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)>;
 
+// Largest hidden / intermediate size: a GEMM's int32 dot products over a
+// channel-wise group of K <= 2^20 inputs stay below 2^31 (1920 K).
+inline constexpr int64_t kW4A8MaxFeatures = int64_t{1} << 20;
+// Largest top_k: (token, slot) pairs of a chunk of kW4A8MoeMinChunkTokens are
+// indexed in int32.
+inline constexpr int64_t kW4A8MaxTopK = int64_t{1} << 24;
+// The op runs its tokens in chunks whose scratch (per calling thread, kept
+// between calls) fits this budget, with at least kW4A8MoeMinChunkTokens tokens
+// per chunk: the scratch is bounded whatever the token count. Each chunk reads
+// the weights of the experts it hits again, so the budget is large enough that
+// prefills of a few thousand tokens stay one chunk (Qwen3-30B-A3B shapes:
+// ~120 KB a token, ~2100 tokens a chunk).
+inline constexpr int64_t kW4A8MoeScratchBudgetBytes = int64_t{256} << 20;
+inline constexpr int64_t kW4A8MoeMinChunkTokens = 64;
+
 // Bytes of one expert's packed weights for a GEMM with n outputs, k inputs.
 int64_t W4A8PackedBytes(int64_t n, int64_t k, int64_t group_size);
 
@@ -45,5 +60,11 @@ std::string ValidateW4A8MoeShapes(const W4A8MoeProblem& problem,
 // Runs the op; returns "" on success or a message (e.g. an expert id out of
 // range, checked before any work).
 std::string RunW4A8Moe(const W4A8MoeProblem& problem, Isa isa, const ParallelFor& parallel_for);
+
+// Scratch bytes one token of `problem` takes, and the tokens a chunk takes.
+int64_t W4A8MoeScratchBytesPerToken(const W4A8MoeProblem& problem);
+int64_t W4A8MoeChunkTokens(const W4A8MoeProblem& problem);
+// The largest scratch (bytes) one call's chunk has held so far in this process.
+int64_t W4A8MoeScratchHighWater();
 
 }  // namespace jax_moeq::cpu

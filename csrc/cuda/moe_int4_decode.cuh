@@ -32,8 +32,9 @@
 
 #include <cooperative_groups.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "cuda/moe_int4_gemm.cuh"
@@ -65,8 +66,11 @@ struct DecodeLayerPlan {
 };
 
 inline int CeilDiv(int a, int b) { return (a + b - 1) / b; }
-inline int Align16(int a) { return (a + 15) / 16 * 16; }
+inline int64_t CeilDiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t Align16(int64_t a) { return (a + 15) / 16 * 16; }
 
+// Byte offsets in int64: a shape far past what fits (a large intermediate size) must come out as
+// a plan too large for the device, not as a wrapped int (smem_bytes saturates at INT_MAX).
 inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inter) {
   DecodeLayerPlan p;
   p.ctas = ctas;
@@ -76,21 +80,24 @@ inline DecodeLayerPlan PlanDecodeLayer(int ctas, int top_k, int hidden, int inte
   p.max_units1 = CeilDiv(p.units1, ctas);
   p.max_units2 = CeilDiv(p.units2, ctas);
   p.slice1 = CeilDiv(hidden / 64, kDecodeWarps);
-  p.items2 = CeilDiv(p.max_units2 * top_k * (inter / 64), kDecodeWarps);
-  int offset = p.max_units1 * 2 * (hidden / 64) * kDecodeChunkBytes;
-  p.w2_offset = offset;
-  offset += p.max_units2 * top_k * (inter / 64) * kDecodeChunkBytes;
-  p.x_offset = offset;
-  offset += Align16(hidden * 2);
-  p.act_offset = offset;
-  offset += Align16(top_k * inter * 2);
-  p.red1_offset = offset;
-  offset += p.max_units1 * 32 * 4;
-  p.red2_offset = offset;
-  offset += Align16(p.max_units2 * top_k * 16 * 4);
-  p.bar_offset = offset;
-  offset += (p.max_units1 + 1) * 8;
-  p.smem_bytes = offset;
+  auto narrow = [](int64_t v) {
+    return static_cast<int>(std::min<int64_t>(v, std::numeric_limits<int>::max()));
+  };
+  p.items2 = narrow(CeilDiv64(int64_t{p.max_units2} * top_k * (inter / 64), kDecodeWarps));
+  int64_t offset = int64_t{p.max_units1} * 2 * (hidden / 64) * kDecodeChunkBytes;
+  p.w2_offset = narrow(offset);
+  offset += int64_t{p.max_units2} * top_k * (inter / 64) * kDecodeChunkBytes;
+  p.x_offset = narrow(offset);
+  offset += Align16(int64_t{hidden} * 2);
+  p.act_offset = narrow(offset);
+  offset += Align16(int64_t{top_k} * inter * 2);
+  p.red1_offset = narrow(offset);
+  offset += int64_t{p.max_units1} * 32 * 4;
+  p.red2_offset = narrow(offset);
+  offset += Align16(int64_t{p.max_units2} * top_k * 16 * 4);
+  p.bar_offset = narrow(offset);
+  offset += (int64_t{p.max_units1} + 1) * 8;
+  p.smem_bytes = narrow(offset);
   return p;
 }
 
@@ -498,35 +505,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 1)
   }
 }
 
-// Per-device figures, queried once (a handler runs on every call, often between the GPU's
-// kernels: a few us of host work per call would show at decode).
-struct DecodeDeviceInfo {
-  int sms = 0, max_smem = 0;
-};
-constexpr int kDecodeMaxDevices = 64;
-
-inline std::string DecodeDevice(int* device, DecodeDeviceInfo* info) {
-  static std::atomic<int> sms[kDecodeMaxDevices], max_smem[kDecodeMaxDevices];
-  if (cudaGetDevice(device) != cudaSuccess || *device < 0 || *device >= kDecodeMaxDevices) {
-    cudaGetLastError();
-    return "fused decode: no usable current device";
-  }
-  if (sms[*device].load() == 0) {
-    int n = 0, bytes = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, *device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, *device) !=
-            cudaSuccess) {
-      cudaGetLastError();
-      return "fused decode: cannot query the device";
-    }
-    max_smem[*device].store(bytes);
-    sms[*device].store(n);
-  }
-  info->sms = sms[*device].load();
-  info->max_smem = max_smem[*device].load();
-  return "";
-}
-
+// Per-device figures are queried once per device (device_cache.cuh: a handler runs on every
+// call, often between the GPU's kernels, so a few us of host work per call would show at decode).
 // Plans the call for the current device (one CTA per SM) and launches the fused decode kernel:
 // cooperative (all CTAs resident for the grid barrier; the launch fails rather than deadlocks
 // when they cannot be) and after the prior kernel with the dependent launch. args.plan is
@@ -534,26 +514,25 @@ inline std::string DecodeDevice(int* device, DecodeDeviceInfo* info) {
 // checks the shared memory.
 template <typename T, NibbleCode kCode>
 std::string LaunchDecodeLayer(const DecodeLayerArgs& args, cudaStream_t stream) {
-  int device = 0;
-  DecodeDeviceInfo info;
-  if (std::string err = DecodeDevice(&device, &info); !err.empty()) return err;
+  const int device = CurrentDevice();
+  DeviceFigures info;
+  if (device < 0 || DeviceFiguresOf(device, &info) != cudaSuccess) {
+    return "fused decode: cannot query the current device";
+  }
   DecodeLayerArgs launch_args = args;
   launch_args.plan = PlanDecodeLayer(info.sms, args.top_k, args.hidden, args.inter);
-  if (std::string err = DecodeLayerPlanError(launch_args.plan, info.max_smem); !err.empty()) {
+  if (std::string err = DecodeLayerPlanError(launch_args.plan, info.max_smem_optin);
+      !err.empty()) {
     return err;
   }
   launch_args.stop_after = DecodeStopAfter();
   const auto kernel = DecodeLayerKernel<T, kCode>;
   const int smem = launch_args.plan.smem_bytes;
-  // The shared-memory opt-in, raised per device as plans need more (once per shape in practice).
-  static std::atomic<int> opted_in[kDecodeMaxDevices];
-  if (opted_in[device].load() < smem) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-        cudaSuccess) {
-      return std::string("fused decode: shared memory attribute: ") +
-             cudaGetErrorString(cudaGetLastError());
-    }
-    opted_in[device].store(smem);
+  // The shared-memory opt-in, raised per device as plans need more (once per shape in
+  // practice), under a lock: two threads raising it at once cannot leave it at the smaller.
+  static SmemOptInTable opted_in;
+  if (const cudaError_t e = EnsureDynamicSmem(opted_in, kernel, smem); e != cudaSuccess) {
+    return std::string("fused decode: shared memory attribute: ") + cudaGetErrorString(e);
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(launch_args.plan.ctas);

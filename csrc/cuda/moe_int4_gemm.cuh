@@ -10,6 +10,9 @@
 // row I + n, so the activation can be applied in registers).
 #pragma once
 
+#include <algorithm>
+
+#include "cuda/device_cache.cuh"
 #include "cuda/int4_mma_core.cuh"
 #include "cuda/workspace_zero.cuh"
 
@@ -88,6 +91,21 @@ struct MoeGemmArgs {
 // workspace; a split GEMM1's own (accumulators and counters) is zeroed by a memset before it.
 inline bool DecodesWithoutAlignment(bool standard, bool act_order, int64_t tokens, int block_m) {
   return standard && !act_order && tokens == 1 && block_m == 8;
+}
+// Largest hidden or intermediate size the launchers take: checked before any product of sizes
+// (the row limit, MoeRowsFitInt32, then bounds rows x size).
+constexpr int64_t kMaxMoeFeatures = int64_t{1} << 24;
+// Largest split-K factor (grid.z of the GEMM holds at most 65535).
+constexpr int kMaxSplitK = 1024;
+// Whether a call's per-pair rows, each of `width` elements (max(H, 2I)), are addressable with
+// 32-bit row ids and 32-bit element offsets within a row block: rows * width < 2^31.
+inline bool MoeRowsFitInt32(int64_t rows, int64_t width) {
+  return rows < (int64_t{1} << 31) / std::max<int64_t>(1, width);
+}
+// Whether one expert's scale (or zero-point) words, groups x n / 2 for a GEMM of n outputs, are
+// addressable with the kernels' 32-bit offsets within an expert (group * n_sub * 8 + ...).
+inline bool ScaleWordsFitInt32(int64_t groups, int64_t n) {
+  return groups * (n / 2) < (int64_t{1} << 31);
 }
 // Floats of GEMM2's workspace: rows x n accumulators, then one arrival counter per 32 columns.
 inline int64_t Gemm2WorkspaceFloats(int64_t rows, int64_t n) { return rows * n + n / 32; }
@@ -798,17 +816,12 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
   int smem = 0;
   if constexpr (kMainloop != GemmMainloop::kRegisters) {
     smem = kMainloop == GemmMainloop::kBulkCopy ? BulkSmemBytes(threads) : AsyncSmemBytes<MT>(threads);
-    // Above 48 KB needs an opt-in, once per instantiation (not a stream operation, so it is
-    // also fine while XLA captures a command buffer). Should it fail, the launch below fails
-    // too and the caller's cudaGetLastError reports it.
-    static const bool opted_in = [smem] {
-      auto kernel = MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>;
-      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) ==
-                 cudaSuccess &&
-             cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                  cudaSharedmemCarveoutMaxShared) == cudaSuccess;
-    }();
-    (void)opted_in;
+    // Above 48 KB needs an opt-in, once per instantiation and device (not a stream operation,
+    // so it is also fine while XLA captures a command buffer). Should it fail, the launch below
+    // fails too and the caller's cudaGetLastError reports it.
+    static SmemOptInTable opted_in;
+    (void)EnsureDynamicSmem(opted_in, MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>, smem,
+                            /*max_carveout=*/true);
   }
   if (args.dependent_launch) {
     LaunchAfterPrior(MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>, grid, dim3(threads),

@@ -307,12 +307,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
 
 template <typename T, NibbleCode kCode, bool kExpertBlockFastest>
 void LaunchWgmmaKernel(const MoeGemmArgs& args, dim3 grid, cudaStream_t stream) {
-  static const bool opted_in = [] {
-    auto kernel = MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest>;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                kWgmmaSmemBytes) == cudaSuccess;
-  }();
-  (void)opted_in;
+  // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's.
+  static SmemOptInTable opted_in;
+  (void)EnsureDynamicSmem(opted_in, MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest>,
+                          kWgmmaSmemBytes);
   LaunchAfterPrior(MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest>, grid, dim3(kWgmmaThreads),
                    kWgmmaSmemBytes, stream, args);
 }
@@ -351,7 +349,9 @@ inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, i
   if (block_m == kWgmmaBlockM && (split13 != 1 || split2 != 1)) {
     return "block_m 128 (the wgmma GEMM) does not split K: split factors must be 1";
   }
-  if (split13 < 1 || split2 < 1) return "split factors must be >= 1";
+  if (split13 < 1 || split2 < 1 || split13 > kMaxSplitK || split2 > kMaxSplitK) {
+    return "split factors must be in [1, " + std::to_string(kMaxSplitK) + "]";
+  }
   if (mainloop < 0 || mainloop > 2) {
     return "mainloop must be 0 (registers), 1 (async ring) or 2 (bulk copy)";
   }

@@ -95,13 +95,21 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   if (p.top_k < 1 || p.top_k > std::min<int64_t>(kMxInt4MaxTopK, p.num_experts)) {
     return "top_k must be in [1, min(32, num_experts)]";
   }
-  if (p.local_experts < 1 || p.local_offset < 0 ||
-      p.local_offset + p.local_experts > p.num_experts) {
+  // (offset > E - L, not offset + L > E: an int64 offset near 2^63 would overflow the sum)
+  if (p.local_experts < 1 || p.local_experts > p.num_experts || p.local_offset < 0 ||
+      p.local_offset > p.num_experts - p.local_experts) {
     return "local experts [offset, offset + local_num_experts) must lie in [0, num_experts)";
   }
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
     return "intermediate size must be a positive multiple of 64";
+  }
+  if (p.hidden > kMaxMoeFeatures || p.intermediate > kMaxMoeFeatures) {
+    return "hidden and intermediate sizes must be at most " + std::to_string(kMaxMoeFeatures);
+  }
+  if (!ScaleWordsFitInt32(p.hidden / kGroupSize, 2 * p.intermediate) ||
+      !ScaleWordsFitInt32(p.intermediate / kGroupSize, p.hidden)) {
+    return "scale groups x outputs of one expert must stay below 2^32 (32-bit offsets)";
   }
   if (!IsSupportedRouting(p.routing_method)) {
     return "routing_method " + std::to_string(p.routing_method) +
@@ -132,8 +140,10 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
     return "one_token (the decode path without alignment) needs one token and block_m 8";
   }
   if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
-  if (p.tokens * p.top_k >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
-    return "problem too large for 32-bit row indexing";
+  if (!MoeRowsFitInt32(p.tokens * p.top_k, std::max<int64_t>(p.hidden, 2 * p.intermediate))) {
+    return "problem too large for 32-bit row indexing: rows (T * K = " +
+           std::to_string(p.tokens * p.top_k) +
+           ") x max(hidden, 2 * intermediate) must be below 2^31";
   }
   return "";
 }

@@ -12,6 +12,10 @@ namespace jax_moeq::cuda {
 namespace {
 
 
+// The finalize kernels put rows (or tokens) on grid.x, which takes 2^31 - 1 blocks; grid.y takes
+// only 65535, fewer than the rows of a prefill (T = 16384, K = 8: 131072), and a launch past it
+// fails.
+
 // GEMM1 finalize after split-K: act[id][col] from ws13[id][0:2I].
 template <typename T>
 __global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
@@ -20,8 +24,8 @@ __global__ void Finalize13Kernel(const float* ws, const int32_t* row_expert_src,
                                  int inter, int rows, int experts, int activation, void* act) {
   WaitForPriorGrids();
   AllowDependentGrids();
-  const int id = blockIdx.y;
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  const int id = blockIdx.x;
+  const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (id >= rows || n >= inter) return;
   const int e = row_expert_src ? row_expert_src[id] : id / row_expert_div;
   if (e < 0 || e >= experts) return;
@@ -42,8 +46,8 @@ __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
                                        int hidden, int tokens, int experts, void* out) {
   WaitForPriorGrids();
   AllowDependentGrids();
-  const int t = blockIdx.y;
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  const int t = blockIdx.x;
+  const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (t >= tokens || n >= hidden) return;
   FinalizeTokenColumn<T>(ws, topk_ids, experts, topk_weights, bias, top_k, hidden, t, n, out);
 }
@@ -54,8 +58,8 @@ __global__ void FinalizeBatchedKernel(const float* ws, const int32_t* expert_num
                                       const float* bias, int max_tokens, int hidden, void* out) {
   WaitForPriorGrids();
   AllowDependentGrids();
-  const int id = blockIdx.y;  // e * M + m
-  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  const int id = blockIdx.x;  // e * M + m
+  const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (n >= hidden) return;
   const int e = id / max_tokens, m = id % max_tokens;
   float y = 0.0f;
@@ -193,7 +197,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
   if (p.split13 > 1 && !direct) {  // (on the one-token path GEMM1 applied the activation)
-    const dim3 grid((I + 255) / 256, static_cast<int>(rows));
+    const dim3 grid(static_cast<int>(rows), (I + 255) / 256);
     LaunchAfterPrior(Finalize13Kernel<T>, grid, dim3(256), 0, stream, p.ws13, row_expert_src,
                      row_expert_div, p.batched ? p.expert_num_tokens : nullptr,
                      static_cast<int>(p.tokens), g1.bias, g1.act_col, I, static_cast<int>(rows),
@@ -219,11 +223,11 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   if (direct) {
     return "";
   } else if (p.batched) {
-    const dim3 grid((H + 255) / 256, static_cast<int>(rows));
+    const dim3 grid(static_cast<int>(rows), (H + 255) / 256);
     LaunchAfterPrior(FinalizeBatchedKernel<T>, grid, dim3(256), 0, stream, p.ws2,
                      p.expert_num_tokens, b2, static_cast<int>(p.tokens), H, p.out);
   } else {
-    const dim3 grid((H + 255) / 256, static_cast<int>(p.tokens));
+    const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);
     LaunchAfterPrior(FinalizeStandardKernel<T>, grid, dim3(256), 0, stream, p.ws2, p.topk_ids,
                      p.topk_weights, b2, static_cast<int>(p.top_k), H,
                      static_cast<int>(p.tokens), E, p.out);
@@ -274,7 +278,11 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
     return "intermediate size must be a positive multiple of 64";
   }
+  if (p.hidden > kMaxMoeFeatures || p.intermediate > kMaxMoeFeatures) {
+    return "hidden and intermediate sizes must be at most " + std::to_string(kMaxMoeFeatures);
+  }
   if (p.experts <= 0 || p.experts > 4096) return "number of experts must be in [1, 4096]";
+  if (p.tokens < 0) return "tokens must be >= 0";
   if (p.groups13 <= 0 || p.hidden % p.groups13 != 0 || (p.hidden / p.groups13) % 16 != 0) {
     return "w13 scale groups must divide the hidden size into groups of a multiple of 16";
   }
@@ -282,10 +290,16 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
       (p.intermediate / p.groups2) % 16 != 0) {
     return "w2 scale groups must divide the intermediate size into groups of a multiple of 16";
   }
+  if (!ScaleWordsFitInt32(p.groups13, 2 * p.intermediate) ||
+      !ScaleWordsFitInt32(p.groups2, p.hidden)) {
+    return "scale groups x outputs of one expert must stay below 2^32 (32-bit offsets)";
+  }
   if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
   if (p.top_k < 1) return "top_k must be >= 1";
-  if (Wna16MoeRows(p) >= (int64_t{1} << 31) / std::max<int64_t>(p.hidden, 2 * p.intermediate)) {
-    return "problem too large for 32-bit row indexing";
+  if (!MoeRowsFitInt32(Wna16MoeRows(p), std::max<int64_t>(p.hidden, 2 * p.intermediate))) {
+    return "problem too large for 32-bit row indexing: rows (" +
+           std::string(p.batched ? "E * M" : "T * K") + " = " + std::to_string(Wna16MoeRows(p)) +
+           ") x max(hidden, 2 * intermediate) must be below 2^31";
   }
   return "";
 }

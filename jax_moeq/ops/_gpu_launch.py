@@ -113,6 +113,24 @@ def choose_gemm_splits(busy_blocks: int, hidden: int, intermediate: int, block_m
   return split13, split2
 
 
+MAX_FEATURES = 1 << 24  # kMaxMoeFeatures of csrc/cuda/moe_int4_gemm.cuh
+
+
+def check_problem_size(rows: int, hidden: int, intermediate: int, rows_name: str) -> None:
+  """ValueError unless the kernels' 32-bit row indexing holds (MoeRowsFitInt32 in
+  csrc/cuda/moe_int4_gemm.cuh, which the FFI handler checks again): rows x max(H, 2I) < 2^31,
+  rows being `rows_name` (T * K pairs, or E * M for the batched format)."""
+  for name, size in (("hidden size", hidden), ("intermediate size", intermediate)):
+    if size > MAX_FEATURES:
+      raise ValueError(f"{name} {size} exceeds the kernels' {MAX_FEATURES}")
+  width = max(hidden, 2 * intermediate)
+  if rows * width >= 1 << 31:
+    raise ValueError(
+        f"{rows_name} = {rows} rows of max(H, 2I) = {width} elements reach 2^31 elements, past "
+        f"the kernels' 32-bit row indexing: call with fewer than {(1 << 31) // width} rows "
+        "(split the tokens)")
+
+
 def gemm2_workspace_floats(rows: int, hidden: int) -> int:
   """Length of the f32 ws2 scratch (Gemm2WorkspaceFloats in csrc/cuda/moe_int4_gemm.cuh): GEMM2's
   rows x hidden accumulators, then one arrival counter per 32 columns for the one-token path."""

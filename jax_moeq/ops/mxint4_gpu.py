@@ -297,6 +297,7 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   i, el = int(intermediate_size), int(local_num_experts)
   if h % 64 or i % 64:
     raise ValueError(f"the kernel needs H % 64 == 0 and I % 64 == 0, got H={h}, I={i}")
+  _gpu_launch.check_problem_size(t * int(top_k), h, i, "T * K (x's tokens x top_k)")
   _check_packed("w13_packed", w13_packed, (el, 2 * i // 16, h // 64, 32, 4), jnp.uint32)
   _check_packed("w13_scale", w13_scale, (el, h // GROUP_SIZE, 2 * i // 16, 16), jnp.bfloat16)
   _check_packed("w2_packed", w2_packed, (el, h // 16, i // 64, 32, 4), jnp.uint32)

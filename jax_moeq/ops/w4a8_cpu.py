@@ -25,6 +25,11 @@ BLOCK_INPUTS = 8  # inputs per 64-byte block
 SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 ACTIVATION_KINDS = {0: "swiglustep", 1: "swigluoai", 2: "silu"}
+# kW4A8MaxFeatures / kW4A8MaxTopK of csrc/cpu/w4a8_moe.h: the kernel's int32 dot products over a
+# channel-wise group of up to 2^20 inputs cannot overflow; a chunk's (token, slot) pairs are
+# indexed in int32.
+MAX_FEATURES = 1 << 20
+MAX_TOP_K = 1 << 24
 
 Array = jax.Array
 
@@ -85,6 +90,8 @@ def _check_weight(name: str, q: Array, scale: Array, bias: Array | None, group_s
         f"{name} shape {q.shape}: out must be a multiple of {TILE_ROWS} and in a multiple of "
         f"{BLOCK_INPUTS}"
     )
+  if k > MAX_FEATURES:
+    raise ValueError(f"{name} shape {q.shape}: in={k} exceeds the kernel's {MAX_FEATURES}")
   _check_group_size(group_size, k, name)
   groups = k // _effective_group(group_size, k)
   if scale.shape != (e, n, groups):
@@ -180,6 +187,12 @@ def _validate_call(x, topk_ids, topk_weights, w13_packed, w2_packed, H, I, I2, g
     raise ValueError(f"x has hidden size {x.shape[1]} but H={H}")
   if I2 != 2 * I:
     raise ValueError(f"I2={I2} must equal 2*I={2 * I}")
+  for name, size in (("H", H), ("I", I)):
+    if size <= 0 or size > MAX_FEATURES:
+      raise ValueError(f"{name}={size} must be in [1, {MAX_FEATURES}] (the kernel's int32 dot "
+                       "products over a channel-wise group)")
+  if topk_ids.shape[1] > MAX_TOP_K:
+    raise ValueError(f"topk_ids has top_k={topk_ids.shape[1]}, more than {MAX_TOP_K}")
   if H % TILE_ROWS or I % TILE_ROWS:
     raise ValueError(f"H={H} and I={I} must be multiples of {TILE_ROWS}")
   _check_group_size(group_size, H, "w13 (input size H)")

@@ -330,18 +330,20 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
           mainloop: str | None = None, fused_decode: bool | None = None):
   if activation_kind not in ACTIVATION_KINDS:
     raise ValueError(f"activation_kind must be one of {ACTIVATION_KINDS}, got {activation_kind}")
-  from jax_moeq import _ffi
-  _ffi.cuda_library()
   h, i, e = weights.hidden_size, weights.intermediate_size, weights.num_experts
   if batched:
     rows, max_tokens = e * x.shape[1], x.shape[1]
   else:
     rows, max_tokens = route_ids.shape[0] * route_ids.shape[1], 0
+  _gpu_launch.check_problem_size(rows, h, i, "E * M (x's experts x max tokens)" if batched
+                                 else "T * K (topk_ids' tokens x top_k)")
   if block_m is None:
     block_m = _choose_block_m(max_tokens, 1) if batched else _choose_block_m(rows, e)
   if block_m not in _gpu_launch.BLOCK_MS:
     raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
   mainloop_id = _gpu_launch.mainloop_code(mainloop)
+  from jax_moeq import _ffi
+  _ffi.cuda_library()
   padded = max(block_m, _max_padded(rows, e, block_m, batched, max_tokens))
   blocks = padded // block_m
   busy_blocks = (blocks if batched else
