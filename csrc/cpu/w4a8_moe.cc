@@ -92,7 +92,7 @@ void RunGemm(Isa isa, const std::vector<GemmItem>& items, const uint8_t* weights
   });
 }
 
-// One chunk of tokens (ids already checked; its slots fit int32: W4A8MoeChunkTokens).
+// One chunk of tokens (its slots fit int32: W4A8MoeChunkTokens).
 void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for) {
   const int64_t T = p.tokens, K = p.top_k, E = p.experts, H = p.hidden, I = p.intermediate;
   const int64_t slots = T * K;
@@ -102,17 +102,27 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
   const PackedGemmShape shape2{H, I, p.group_size == -1 ? I : p.group_size};
   const int64_t g1 = shape13.groups(), g2 = shape2.groups();
 
-  // Bucket slots by expert (stable counting sort).
+  // Bucket slots by expert (stable counting sort). A slot whose expert id is outside [0, E)
+  // is left out: it contributes nothing to its token (ids are data under jit; the Python
+  // wrapper rejects concrete ones), as in the jnp reference and the GPU kernels.
+  auto in_range = [&](int32_t e) { return e >= 0 && e < E; };
   sc.counts.assign(E, 0);
-  for (int64_t s = 0; s < slots; ++s) ++sc.counts[p.topk_ids[s]];
+  for (int64_t s = 0; s < slots; ++s) {
+    if (in_range(p.topk_ids[s])) ++sc.counts[p.topk_ids[s]];
+  }
   sc.offsets.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) sc.offsets[e + 1] = sc.offsets[e] + sc.counts[e];
+  const int64_t routed = sc.offsets[E];  // slots with an expert in range
   bytes += static_cast<int64_t>((sc.counts.capacity() + sc.offsets.capacity()) * 4);
   int32_t* sorted_slot = Grow(sc.sorted_slot, slots, &bytes);
   int32_t* slot_pos = Grow(sc.slot_pos, slots, &bytes);
   {
     std::vector<int32_t> fill(sc.offsets.begin(), sc.offsets.end() - 1);
     for (int64_t s = 0; s < slots; ++s) {
+      if (!in_range(p.topk_ids[s])) {
+        slot_pos[s] = -1;
+        continue;
+      }
       const int32_t pos = fill[p.topk_ids[s]]++;
       sorted_slot[pos] = static_cast<int32_t>(s);
       slot_pos[s] = pos;
@@ -122,13 +132,13 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
   // Stage 1: quantize GEMM1 inputs: once per token, or per slot when the
   // router weight scales the input first.
   const bool per_slot = p.apply_router_weight_on_input;
-  const int64_t rows1_count = per_slot ? slots : T;
+  const int64_t rows1_count = per_slot ? routed : T;
   int8_t* q1 = Grow(sc.q1, rows1_count * H, &bytes);
   float* s1 = Grow(sc.s1, rows1_count, &bytes);
   int32_t* zp1 = Grow(sc.zp1, rows1_count, &bytes);
   int32_t* sum1 = Grow(sc.sum1, rows1_count * g1, &bytes);
-  int32_t* rows1 = Grow(sc.rows1, slots, &bytes);
-  for (int64_t pos = 0; pos < slots; ++pos) {
+  int32_t* rows1 = Grow(sc.rows1, routed, &bytes);
+  for (int64_t pos = 0; pos < routed; ++pos) {
     rows1[pos] = per_slot ? static_cast<int32_t>(pos) : sorted_slot[pos] / static_cast<int32_t>(K);
   }
   const RowOps& ops = RowOpsFor(isa);
@@ -142,21 +152,21 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     }
   });
 
-  // Stage 2: GEMM1 -> y13 [slots][2I] in float32, slots in expert order.
-  float* y13 = Grow(sc.y13, slots * 2 * I, &bytes);
+  // Stage 2: GEMM1 -> y13 [routed][2I] in float32, slots in expert order.
+  float* y13 = Grow(sc.y13, routed * 2 * I, &bytes);
   const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I);
   RunGemm(isa, items13, p.w13_packed, shape13.total_bytes(), shape13,
           QuantizedActivations{q1, s1, zp1, sum1}, rows1, sc.counts, sc.offsets, y13,
           parallel_for);
 
   // Stage 3: round, gated activation, round, quantize for GEMM2.
-  int8_t* q2 = Grow(sc.q2, slots * I, &bytes);
-  float* s2 = Grow(sc.s2, slots, &bytes);
-  int32_t* zp2 = Grow(sc.zp2, slots, &bytes);
-  int32_t* sum2 = Grow(sc.sum2, slots * g2, &bytes);
-  int32_t* rows2 = Grow(sc.rows2, slots, &bytes);
-  for (int64_t pos = 0; pos < slots; ++pos) rows2[pos] = static_cast<int32_t>(pos);
-  parallel_for(slots, [&](int64_t begin, int64_t end) {
+  int8_t* q2 = Grow(sc.q2, routed * I, &bytes);
+  float* s2 = Grow(sc.s2, routed, &bytes);
+  int32_t* zp2 = Grow(sc.zp2, routed, &bytes);
+  int32_t* sum2 = Grow(sc.sum2, routed * g2, &bytes);
+  int32_t* rows2 = Grow(sc.rows2, routed, &bytes);
+  for (int64_t pos = 0; pos < routed; ++pos) rows2[pos] = static_cast<int32_t>(pos);
+  parallel_for(routed, [&](int64_t begin, int64_t end) {
     std::vector<float> act(I);
     for (int64_t r = begin; r < end; ++r) {
       float* y = y13 + r * 2 * I;
@@ -165,8 +175,8 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     }
   });
 
-  // Stage 4: GEMM2 -> y2 [slots][H].
-  float* y2 = Grow(sc.y2, slots * H, &bytes);
+  // Stage 4: GEMM2 -> y2 [routed][H].
+  float* y2 = Grow(sc.y2, routed * H, &bytes);
   const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H);
   RunGemm(isa, items2, p.w2_packed, shape2.total_bytes(), shape2,
           QuantizedActivations{q2, s2, zp2, sum2}, rows2, sc.counts, sc.offsets, y2,
@@ -179,6 +189,7 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t slot = t * K + k;
+        if (slot_pos[slot] < 0) continue;  // expert id out of range
         ops.accumulate(p.dtype, y2 + static_cast<int64_t>(slot_pos[slot]) * H,
                        p.topk_weights[slot], !per_slot, acc.data(), H);
       }
@@ -259,16 +270,7 @@ int64_t W4A8MoeChunkTokens(const W4A8MoeProblem& p) {
 }
 
 std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for) {
-  const int64_t T = p.tokens, K = p.top_k, E = p.experts;
-  const int64_t slots = T * K;
-  for (int64_t s = 0; s < slots; ++s) {
-    const int32_t e = p.topk_ids[s];
-    if (e < 0 || e >= E) {
-      return "expert id out of range: topk_ids[" + std::to_string(s / K) + ", " +
-             std::to_string(s % K) + "] = " + std::to_string(e) + ", expected [0, " +
-             std::to_string(E) + ")";
-    }
-  }
+  const int64_t T = p.tokens, K = p.top_k;
   if (T == 0) return "";
   // Tokens are independent: chunks of them are exact, and bound the scratch whatever T is
   // (before, it grew with T: ~T * K * (9I + 5H) bytes, kept per calling thread).

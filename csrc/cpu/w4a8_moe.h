@@ -57,8 +57,10 @@ std::string ValidateW4A8MoeShapes(const W4A8MoeProblem& problem,
                                   int64_t w13_bytes_per_expert,
                                   int64_t w2_bytes_per_expert);
 
-// Runs the op; returns "" on success or a message (e.g. an expert id out of
-// range, checked before any work).
+// Runs the op; returns "" on success or a message. A (token, slot) pair whose
+// expert id is outside [0, experts) contributes nothing to its token. A row of
+// x holding a NaN or an infinity gives NaN in every element of that token's
+// output and changes no other token's output (row_ops' quantize marks it).
 std::string RunW4A8Moe(const W4A8MoeProblem& problem, Isa isa, const ParallelFor& parallel_for);
 
 // Scratch bytes one token of `problem` takes, and the tokens a chunk takes.
