@@ -7,8 +7,8 @@
 A property's example count is a fraction of the profile's `max_examples` (test_properties.py
 `examples`), so that cheap properties (packers) run many more examples than the fused op, whose
 every new shape compiles the jnp reference. Tests that set `max_examples` themselves keep it.
-No example database is written (`database=None`: nothing lands in the repository); a failure
-prints its reproduction blob (`print_blob`).
+No example database is written (`database=None`: nothing lands in the repository) unless
+HYPOTHESIS_DATABASE_DIR names a directory for one; a failure prints its reproduction blob.
 """
 
 import os
@@ -25,6 +25,9 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                            HealthCheck.function_scoped_fixture],
 )
+if os.environ.get("HYPOTHESIS_DATABASE_DIR"):  # keep failing examples to replay them
+  from hypothesis.database import DirectoryBasedExampleDatabase
+  _COMMON["database"] = DirectoryBasedExampleDatabase(os.environ["HYPOTHESIS_DATABASE_DIR"])
 settings.register_profile("ci", max_examples=100, **_COMMON)
 settings.register_profile("long", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
