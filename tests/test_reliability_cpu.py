@@ -49,11 +49,14 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 def run_fresh(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> str:
   """Runs `code` in a new interpreter (tests/ importable); returns its stdout's last line."""
   full_env = dict(os.environ)
+  # The source tree only when it holds a built library: otherwise it would shadow the installed
+  # package (CI installs with pip and runs from a clean clone).
+  tree = [str(ROOT)] if list((ROOT / "jax_moeq").glob("_cpu_ffi*.so")) else []
   full_env["PYTHONPATH"] = os.pathsep.join(
-      [str(ROOT), str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
+      tree + [str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
   full_env.setdefault("JAX_PLATFORMS", "cpu")
   full_env.update(env or {})
-  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=ROOT / "tests",
                         capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
   return proc.stdout.strip().splitlines()[-1]
