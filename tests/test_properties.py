@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import tempfile
 
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_moeq import _ffi, reference, routing

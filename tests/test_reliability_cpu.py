@@ -56,8 +56,8 @@ def run_fresh(code: str, env: dict[str, str] | None = None, timeout: int = 300) 
       tree + [str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
   full_env.setdefault("JAX_PLATFORMS", "cpu")
   full_env.update(env or {})
-  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=ROOT / "tests",
-                        capture_output=True, text=True, timeout=timeout)
+  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                        cwd=ROOT / "tests", capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
   return proc.stdout.strip().splitlines()[-1]
 
