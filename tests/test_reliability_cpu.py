@@ -389,6 +389,10 @@ print(json.dumps({"before": before, "after": after, "seconds": seconds,
 RSS_SLACK = 4 << 20
 
 
+@pytest.mark.skipif(bool(os.environ.get("JAX_MOEQ_SANITIZED")),
+                    reason="under AddressSanitizer freed memory stays in its quarantine (RSS "
+                           "grew 129 MiB over the calls), which is no leak; ASan's own checks "
+                           "cover that run")
 def test_rss_steady_over_10000_calls():
   """10,000 calls of the jitted op (T 1 / 4 / 33, three dtypes, every ISA, an out-of-range pair
   in each) after a warm-up of 1,000, then 2,000 calls that fail in the handler: RSS grows by
