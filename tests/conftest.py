@@ -2,7 +2,10 @@
 
 - `ci` (the default): bounded example counts; the property module runs in about 3 minutes on
   2 cores, every CPU ISA path included.
-- `long` (HYPOTHESIS_PROFILE=long): 20x the examples (thousands in all), about 45 minutes.
+- `long` (HYPOTHESIS_PROFILE=long): 20x the examples (about 6,500 in all), about 35 minutes on
+  2 cores. Run the fused-op properties one per process (`-k`): a single session of the whole
+  module once died of a segfault inside XLA's compiler after some 600 compilations (not seen
+  again in separate processes, nor under ASan).
 
 A property's example count is a fraction of the profile's `max_examples` (test_properties.py
 `examples`), so that cheap properties (packers) run many more examples than the fused op, whose
