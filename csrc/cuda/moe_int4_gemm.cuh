@@ -342,9 +342,10 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
                                                     int experts, const float* topk_weights,
                                                     const float* bias, int top_k, int n, int t,
                                                     int col, void* out) {
-  // Eight pairs' loads are issued before any is used: one memory latency per eight pairs, not
-  // one per pair (a loop of dependent loads made this reduction ~7 us at Qwen3 T=16). The sum
-  // keeps the order of k.
+  // Eight pairs' loads are issued before any is used: two memory latencies per eight pairs (ids,
+  // then weights and ws rows), not one per pair (a loop of dependent loads made this reduction
+  // ~7 us at Qwen3 T=16). A pair whose expert is outside [0, experts) has no ws row written (no
+  // GEMM ran for it), so its row is not read. The sum keeps the order of k.
   constexpr int kBatch = 8;
   float sum = 0.0f;
   for (int k0 = 0; k0 < top_k; k0 += kBatch) {
@@ -352,9 +353,12 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
     float y[kBatch], w[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
+      e[j] = k0 + j < top_k ? __ldg(pair_experts + t * top_k + k0 + j) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
       const int pair = t * top_k + k0 + j;
-      const bool in = k0 + j < top_k;
-      e[j] = in ? __ldg(pair_experts + pair) : -1;
+      const bool in = e[j] >= 0 && e[j] < experts;
       w[j] = in ? __ldg(topk_weights + pair) : 0.0f;
       y[j] = in ? __ldcg(ws + static_cast<int64_t>(pair) * n + col) : 0.0f;
     }
