@@ -326,3 +326,40 @@ def test_fused_decode_choice():
     choose(True, one_token=False, top_k=8, hidden=2048, intermediate=768)
   with pytest.raises(ValueError, match="chunks per warp"):
     choose(True, one_token=True, top_k=2, hidden=4096, intermediate=14336)
+
+
+def test_deterministic_mode_takes_no_split_and_no_fused_decode(monkeypatch):
+  # Mixtral T=1 splits GEMM2 (8 splits, f32 atomics in arrival order) unless deterministic.
+  assert launch.choose_gemm_splits(2, 4096, 14336, 8, 2) != (1, 1)
+  monkeypatch.setenv(launch.DETERMINISTIC_ENV, "1")
+  assert launch.deterministic()
+  assert launch.choose_gemm_splits(2, 4096, 14336, 8, 2) == (1, 1)
+  with pytest.raises(ValueError, match="JAX_MOEQ_DETERMINISTIC=1"):
+    launch.choose_fused_decode(True, one_token=True, top_k=8, hidden=2048, intermediate=768)
+  assert not launch.choose_fused_decode(None, one_token=True, top_k=8, hidden=2048,
+                                        intermediate=768)
+  monkeypatch.setenv(launch.DETERMINISTIC_ENV, "0")
+  assert not launch.deterministic()
+  monkeypatch.setenv(launch.DETERMINISTIC_ENV, "yes")
+  with pytest.raises(ValueError, match="JAX_MOEQ_DETERMINISTIC='yes'"):
+    launch.deterministic()
+
+
+def test_deterministic_mode_reaches_the_wna16_call(monkeypatch):
+  """The split factors a traced WNA16 call passes to the FFI handler."""
+  from jax_moeq import _ffi
+  from jax_moeq.ops import wna16_gpu
+  if not _ffi.cuda_library_available():
+    pytest.skip("CUDA library not built (no nvcc at install)")
+  e, h, i, k = 8, 256, 1024, 2
+  w = _wna16_weights(e, h, i, False)
+
+  def splits():
+    text = jax.jit(lambda x, ids: wna16_gpu.fused_marlin_moe(
+        x, w, jnp.full((1, k), 0.5), ids)).lower(
+            jnp.ones((1, h), jnp.bfloat16), jnp.zeros((1, k), jnp.int32)).as_text()
+    return tuple(int(v) for v in re.findall(r"split(?:13|2) = (\d+)", text))
+
+  assert splits()[1] > 1
+  monkeypatch.setenv(launch.DETERMINISTIC_ENV, "1")
+  assert splits() == (1, 1)

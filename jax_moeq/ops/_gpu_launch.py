@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 WARPS_PER_CTA = 8  # kGemmWarps of csrc/cuda/moe_int4_gemm.cuh
 MIN_CHUNKS_PER_SPLIT = 4  # a split streams at least 4 chunks (one MT=1 pipeline stage)
@@ -102,11 +103,31 @@ def choose_block_m(pairs_per_expert: float) -> int:
   return 32
 
 
+DETERMINISTIC_ENV = "JAX_MOEQ_DETERMINISTIC"
+
+
+def deterministic() -> bool:
+  """Whether GPU calls traced now must give run-to-run bit-identical results
+  (JAX_MOEQ_DETERMINISTIC=1, read at trace time like the other launch choices).
+
+  Two launch choices add float partial sums in arrival order: split-K (the splits meet in f32
+  `atomicAdd`s on the workspace) and the fused decode kernel (its warps' sums meet in
+  shared-memory atomics). Deterministic mode takes neither: every output element is then summed
+  by one warp in a fixed order. It costs split-K's speed-up where a launch fills less than a
+  wave (small T on large experts)."""
+  value = os.environ.get(DETERMINISTIC_ENV, "").strip()
+  if value not in ("", "0", "1"):
+    raise ValueError(f"{DETERMINISTIC_ENV}={value!r}: expected 1 (deterministic) or 0 / unset")
+  return value == "1"
+
+
 def choose_gemm_splits(busy_blocks: int, hidden: int, intermediate: int, block_m: int,
                        pairs: int) -> tuple[int, int]:
   """(split13, split2) of one call's GEMMs: GEMM1 has intermediate / 16 warp units along N and
   hidden / 64 chunks along K, plus an f32 [pairs, 2I] workspace when split; GEMM2 has hidden / 32
-  units and intermediate / 64 chunks."""
+  units and intermediate / 64 chunks. (1, 1) in deterministic mode."""
+  if deterministic():
+    return 1, 1
   split13 = choose_split(busy_blocks, intermediate // 16, hidden // 64, block_m,
                          pairs * 2 * intermediate * 4)
   split2 = choose_split(busy_blocks, hidden // 32, intermediate // 64, block_m, 0)
@@ -256,6 +277,9 @@ def choose_fused_decode(requested: bool | None, *, one_token: bool, top_k: int, 
   (docs/gpu_notes.md, "The fused decode kernel")."""
   if not requested:
     return False
+  if deterministic():
+    raise ValueError(f"fused_decode=True sums its warps' partial results in arrival order; "
+                     f"{DETERMINISTIC_ENV}=1 asks for run-to-run identical results")
   if not one_token:
     raise ValueError("fused_decode=True needs the one-token path: one token, the standard "
                      "format, no act-order and block_m 8")
