@@ -1,15 +1,17 @@
 """Timing helpers shared by the benchmarks: median wall time after warm-up, a read-bandwidth
-probe, progress lines on stderr, and markdown tables; and where the benchmarks import jax_moeq
-from (use_source_tree_if_not_installed)."""
+probe, the CPU's model, ISA flags and last-level cache, progress lines on stderr, and markdown
+tables; and where the benchmarks import jax_moeq from (use_source_tree_if_not_installed)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -76,9 +78,9 @@ def median_time(call: Callable[[int], Any], *, warmup: int = 2, min_repeats: int
 def read_bandwidth_gbps(nbytes: int = 1 << 30, threads: int = 2, repeats: int = 5
                         ) -> dict[str, float]:
   """Sustained read bandwidth in GB/s (1e9 B/s) of one `nbytes` array, best of `repeats`, by
-  two probes: `threads` numpy uint64 sums over disjoint slices (numpy releases the GIL inside
-  reductions; integer sums are not compute-bound the way float32 pairwise sums are), and a
-  jitted `jnp.sum` (XLA's own threading). Returns {"numpy": .., "xla": .., "best": ..}."""
+  up to three probes: `threads` numpy uint64 sums over disjoint slices (numpy releases the GIL
+  inside reductions), a jitted `jnp.sum` (XLA's own threading), and the CPU library's native
+  probe when it is built. Returns {"numpy": .., "xla": .., ["native": ..,] "best": ..}."""
   import jax
   import jax.numpy as jnp
   data = np.ones(nbytes // 8, np.uint64)
@@ -103,7 +105,14 @@ def read_bandwidth_gbps(nbytes: int = 1 << 30, threads: int = 2, repeats: int = 
       best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
     result[name] = best
   del data, parts, device
-  result["best"] = max(result["numpy"], result["xla"])
+  # The CPU library's probe: plain loads with independent sums (numpy's uint64 sum is bound by
+  # its adds on one core: 17 GB/s where the loads alone give 29, AMD EPYC, 2026-11-25).
+  try:
+    from jax_moeq import _ffi
+    result["native"] = float(_ffi.cpu_module().read_bandwidth_gbps(nbytes, threads, repeats))
+  except (ImportError, AttributeError, RuntimeError):
+    pass
+  result["best"] = max(result.values())
   return result
 
 
@@ -113,3 +122,48 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
   lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+# ISA features worth naming beside a CPU figure (x86 /proc/cpuinfo flags, AArch64 Features).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+             "amx_bf16", "asimddp", "i8mm", "sve")
+
+
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+  """(model name, feature flags) from /proc/cpuinfo ("flags" on x86, "Features" on AArch64)."""
+  model, flags = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+          model = value.strip()
+        elif key in ("flags", "Features"):
+          flags = set(value.split())
+        if flags and model:
+          break
+  except OSError:
+    pass
+  return model, flags
+
+
+def last_level_cache() -> tuple[int, int] | None:
+  """(level, bytes) of cpu0's highest cache level from sysfs, or None where sysfs lacks it.
+  On CPUs whose L3 is split between core complexes this is one complex's share."""
+  best: tuple[int, int] | None = None
+  for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+    try:
+      level = int((index / "level").read_text())
+      size = (index / "size").read_text().strip()
+    except (OSError, ValueError):
+      continue
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    if best is None or level > best[0]:
+      best = (level, nbytes)
+  return best
+
+
+def usable_cores() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,28 +1,34 @@
-"""CPU W4A8 fused MoE benchmark (SPEC §10 CPU shapes).
+"""CPU W4A8 fused MoE benchmark (SPEC §10 CPU shapes), with the weights as cold as in a model.
 
 For each shape and token count T it times `dynamic_4bit_int_moe` (jitted, int4 weights packed
-by `convert_to_w4a8_int8_moe_format`, bf16 activations) and prints:
+by `convert_to_w4a8_int8_moe_format`, bf16 activations) and, interleaved call by call in the same
+process, ONNX Runtime's `com.microsoft.QMoE` (int4, block_size 128, accuracy_level 4 = int8
+activations, SwiGLU with interleaved gate/up; spinning threads off, the same thread count).
 
-- median time per call (routing precomputed; a ring of random top-k routings, a different one
-  each call, so the experts' weights come from memory, not from cache);
-- effective weight bandwidth: packed bytes (nibbles, scales, row corrections, biases) of the
-  distinct experts the call's routing hits, divided by the time;
-- int8 GOP/s: 2·T·K·(2I·H + H·I) / time;
-- speed-ups (baseline time / ours) against
-  (a) the jnp reference of the same scheme (`reference.fused_moe_w4a8`, jitted),
-  (b) unquantized bf16 in XLA: `reference.fused_moe_ragged_dot` and a dense per-expert einsum
-      (every expert on every token, routed outputs kept), whichever is faster at that T,
-  (c) ONNX Runtime `com.microsoft.QMoE` (int4, block_size 128, accuracy_level 4 = int8
-      activations, SwiGLU with interleaved gate/up) when onnxruntime and onnx import.
-  Baselines are time-boxed per shape (`--baseline-budget`): T values they cannot finish in
-  the budget are left out and marked "—".
+Cold caches: a model's other layers evict a layer's experts before it runs again. Both contenders
+rotate over `--layers` layers, each with its own weights (default: enough layers that their packed
+experts are at least twice the last-level cache), and every call draws a fresh routing. Printed
+per T:
 
-It also measures the machine's read bandwidth (1 GiB array sum, 2 threads) and prints the
-fraction reached at T=1.
+- median time per call, ours and ORT's, and their ratio;
+- weight bytes read: packed bytes (nibbles, scales, row corrections, biases) of the distinct
+  experts the call's routing hits, divided by the time, and that rate as a fraction of the
+  machine's DRAM read bandwidth (measured here on an array 8x the last-level cache);
+- int8 GOP/s: 2·T·K·(2I·H + H·I) / time.
 
-    python benchmarks/cpu_moe_bench.py                  # all shapes, ~10 minutes
-    python benchmarks/cpu_moe_bench.py --quick          # OLMoE, T in {1, 8, 128}
-    python benchmarks/cpu_moe_bench.py --shapes olmoe --tokens 1,512 --out results.md
+Optional peers (`--baselines`): the jnp reference of the scheme and unquantized bf16 in XLA
+(`ragged_dot` or a dense einsum, whichever is faster), on one layer (its bf16 weights alone are
+4x ours), each time-boxed (`--baseline-budget`).
+
+XLA's intra-op pool, which the kernel runs on, is sized once per process (PJRT_NPROC), so
+`--threads N` sets it before JAX starts, and `--thread-scaling 1,2,4,...` runs one process per
+count (counts above the usable cores are skipped) and prints a table. `--plot PATH` draws time
+against T (ours and the peers) and the DRAM fraction (needs matplotlib).
+
+    python benchmarks/cpu_moe_bench.py --quick                 # OLMoE, T in {1, 8, 128}
+    python benchmarks/cpu_moe_bench.py                         # every shape, T 1..512
+    python benchmarks/cpu_moe_bench.py --shapes olmoe --tokens 1,8,128,512 --plot cpu.png
+    python benchmarks/cpu_moe_bench.py --shapes olmoe --tokens 1,128 --thread-scaling 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
+import math
 import os
-import platform
+import subprocess
 import sys
 import time
 
@@ -40,14 +48,25 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
 import _timing  # noqa: E402
 
+
+def _threads_from_argv(argv: list[str]) -> int | None:
+  """--threads N, read before JAX starts: XLA sizes its CPU pool when the client is created."""
+  parser = argparse.ArgumentParser(add_help=False)
+  parser.add_argument("--threads", type=int)
+  known, _ = parser.parse_known_args(argv)
+  return known.threads
+
+
+if (_threads := _threads_from_argv(sys.argv[1:])) is not None:
+  os.environ["PJRT_NPROC"] = str(_threads)
+
 _timing.use_source_tree_if_not_installed()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from _timing import (  # noqa: E402
-    markdown_table, median_time, progress, read_bandwidth_gbps)
+from _timing import markdown_table, median_time, progress, read_bandwidth_gbps  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +82,7 @@ SHAPES = {
     "olmoe": Shape("OLMoE-1B-7B", 64, 8, 2048, 1024),
     "qwen": Shape("Qwen1.5-MoE-A2.7B", 60, 4, 2048, 1408),
     "mixtral": Shape("Mixtral-8x7B", 8, 2, 4096, 14336),
+    "tiny": Shape("tiny", 8, 2, 256, 256),  # a smoke test of the script, not a figure
 }
 DEFAULT_TOKENS = (1, 8, 32, 128, 512)
 
@@ -194,9 +214,11 @@ def dense_fn():
   return jax.jit(_dense_moe)
 
 
-def ort_session(shape: Shape, seed: int, block_size: int = 128):
+def ort_session(shape: Shape, seed: int, threads: int, block_size: int = 128):
   """An ORT QMoE session on random int4 weights (gate/up interleaved, as swiglu_fusion=1
-  wants), or (None, why) when onnxruntime / onnx is missing or refuses the model."""
+  wants) with `threads` intra-op threads that sleep when idle (spinning ones would steal the
+  cores from our kernel between calls), or (None, why) when onnxruntime / onnx is missing or
+  refuses the model."""
   try:
     import onnx
     import onnxruntime as ort
@@ -225,8 +247,10 @@ def ort_session(shape: Shape, seed: int, block_size: int = 128):
   model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                   helper.make_opsetid("com.microsoft", 1)])
   options = ort.SessionOptions()
-  options.intra_op_num_threads = os.cpu_count() or 1
+  options.intra_op_num_threads = threads
   options.inter_op_num_threads = 1
+  options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+  options.add_session_config_entry("session.inter_op.allow_spinning", "0")
   try:
     session = ort.InferenceSession(model.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
@@ -297,118 +321,267 @@ def ratio(baseline: float | None, ours: float) -> str | None:
   return None if baseline is None else f"{baseline / ours:.1f}×"
 
 
-def bench_shape(shape: Shape, args, bandwidth: float) -> tuple[str, list[str]]:
+def default_layers(layer_bytes: int, llc_bytes: int | None) -> int:
+  """Layers whose packed experts together hold at least twice the last-level cache (>= 2)."""
+  if not llc_bytes:
+    return 2
+  return max(2, math.ceil(2 * llc_bytes / layer_bytes))
+
+
+def interleaved_times(calls: list, *, warmup: int, target_seconds: float, min_repeats: int,
+                      max_repeats: int) -> list[list[float]]:
+  """Seconds of each of `calls` (callables of the call index j), called in turn j = 0, 1, ...
+  so that every contender sees the same machine state; warm-up rounds are not timed."""
+  for j in range(warmup):
+    for call in calls:
+      _timing.block(call(j))
+  times: list[list[float]] = [[] for _ in calls]
+  spent, j = 0.0, warmup
+  while j - warmup < max_repeats:
+    for c, call in enumerate(calls):
+      start = time.perf_counter()
+      _timing.block(call(j))
+      elapsed = time.perf_counter() - start
+      times[c].append(elapsed)
+      spent += elapsed
+    j += 1
+    if j - warmup >= min_repeats and spent >= target_seconds:
+      break
+  return times
+
+
+@dataclasses.dataclass
+class Row:
+  """One T of one shape: what the table, the JSON and the plot print."""
+  tokens: int
+  ours_s: float
+  ours_best_s: float
+  calls: int
+  weight_gbps: float
+  dram_fraction: float
+  gops: float
+  ort_s: float | None = None
+  ref_s: float | None = None
+  xla_s: float | None = None
+  xla_name: str | None = None
+  load: float = 0.0
+
+
+def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
+                ) -> tuple[str, list[str], list[Row]]:
   from jax_moeq.ops.w4a8_cpu import w4a8_packed_bytes
-  notes = []
+  notes: list[str] = []
   h, i, g = shape.hidden_size, shape.intermediate_size, args.group_size
   expert_bytes = w4a8_packed_bytes(2 * i, h, g) + w4a8_packed_bytes(h, i, g)
-  experts = Experts(shape, g, args.seed)
-  progress(f"{shape.name}: packing {shape.num_experts} experts "
-           f"({shape.num_experts * expert_bytes / 1e9:.2f} GB packed)")
+  layer_bytes = shape.num_experts * expert_bytes
+  layers = args.layers or default_layers(layer_bytes, llc_bytes)
+  progress(f"{shape.name}: packing {layers} layers of {shape.num_experts} experts "
+           f"({layer_bytes / 1e6:.0f} MB packed per layer)")
   start = time.perf_counter()
-  p13, p2 = experts.packed()
+  stacks = [Experts(shape, g, args.seed + layer) for layer in range(layers)]
+  packed = [e.packed() for e in stacks]
+  for e in stacks[1:]:
+    e.drop()  # the packed arrays stay referenced in `packed`; layer 0 keeps its int8 for peers
   progress(f"{shape.name}: packed in {time.perf_counter() - start:.1f} s")
+  notes.append(f"{layers} layers rotated, {layers * layer_bytes / 1e6:.0f} MB of packed experts "
+               f"in all (last-level cache {llc_bytes / 2**20 if llc_bytes else 0:.0f} MiB)")
   ours = ours_fn(shape, g)
   baselines = set(args.baselines)
-  budgets = {name: Budget(args.baseline_budget) for name in ("ref", "ragged", "dense", "ort")}
+  sessions = []
+  if "ort" in baselines:
+    progress(f"{shape.name}: building {layers} ORT QMoE sessions ({args.threads_used} threads)")
+    for layer in range(layers):
+      session, why = ort_session(shape, args.seed + layer, args.threads_used)
+      if session is None:
+        notes.append(f"ORT QMoE skipped: {why}")
+        sessions = []
+        break
+      sessions.append(session)
+    if sessions:
+      notes.append(f"ORT: {why}, {args.threads_used} intra-op threads, spinning off, "
+                   f"{layers} sessions (one per layer, own weights)")
+  budgets = {name: Budget(args.baseline_budget) for name in ("ref", "ragged", "dense")}
   reference = reference_fn(g) if "ref" in baselines else None
   ragged, dense = (ragged_fn(), dense_fn()) if "xla" in baselines else (None, None)
-  session = None
-  if "ort" in baselines:
-    progress(f"{shape.name}: building the ORT QMoE session")
-    session, why = ort_session(shape, args.seed)
-    notes.append(f"ORT: {why}" if session is not None else f"ORT QMoE skipped: {why}")
-  rows = []
-  t1_fraction = None
+  rows: list[Row] = []
   ref_weights = None
   for tokens in args.tokens:
     ring = routing_ring(shape, tokens, args.ring, args.seed)
-    key = jax.random.key(tokens)
-    x = (jax.random.normal(key, (tokens, h), jnp.float32)).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(tokens), (tokens, h), jnp.float32).astype(jnp.bfloat16)
     x32 = np.asarray(x.astype(jnp.float32))
+    # Call j runs layer j % layers on routing j % ring: fresh weights and routing every call.
     pick = lambda j: ring[j % len(ring)]
+    calls = [lambda j: ours(x, pick(j)[0], pick(j)[1], *packed[j % layers])]
+    if sessions:
+      feeds = [{"input": x32, "router_probs": r[2]} for r in ring]
+      calls.append(lambda j: sessions[j % layers].run(None, feeds[j % len(feeds)]))
     load = os.getloadavg()[0]
-    times: list[float] = []
-    seconds, calls = median_time(lambda j: ours(x, pick(j)[0], pick(j)[1], p13, p2),
-                                 warmup=2, min_repeats=5, max_repeats=200,
-                                 target_seconds=args.target_seconds, all_times=times)
+    times = interleaved_times(calls, warmup=max(2, layers), target_seconds=args.target_seconds,
+                              min_repeats=max(5, 2 * layers), max_repeats=400)
+    seconds = float(np.median(times[0]))
     hit = np.mean([len(np.unique(np.asarray(r[0]))) for r in ring])
     gbps = hit * expert_bytes / seconds / 1e9
-    gops = int8_ops(shape, tokens) / seconds / 1e9
-    progress(f"{shape.name}: T={tokens} ours {seconds * 1e3:.2f} ms ({calls} calls), "
-             f"{gbps:.1f} GB/s, {gops:.0f} GOP/s")
-    if tokens == 1:
-      # Re-probe next to the T=1 timing: on a shared machine the bandwidth moves with the load.
-      bandwidth = read_bandwidth_gbps(threads=2)["best"]
-      t1_fraction = gbps / bandwidth
-
-    ref_s = None
+    row = Row(tokens, seconds, min(times[0]), len(times[0]), gbps, gbps / dram_gbps,
+              int8_ops(shape, tokens) / seconds / 1e9, load=load)
+    if sessions:
+      row.ort_s = float(np.median(times[1]))
+    progress(f"{shape.name}: T={tokens} ours {seconds * 1e3:.2f} ms ({len(times[0])} calls), "
+             f"{gbps:.1f} GB/s ({100 * row.dram_fraction:.0f} % of DRAM), {row.gops:.0f} GOP/s"
+             + (f"; ORT {row.ort_s * 1e3:.2f} ms" if row.ort_s else ""))
     if reference is not None:
       if ref_weights is None:
-        ref_weights = tuple(jnp.asarray(a) for a in experts.unpacked())
-      dev = ref_weights
+        ref_weights = tuple(jnp.asarray(a) for a in stacks[0].unpacked())
       if tokens == min(args.tokens, key=lambda t: abs(t - 8)):
         ids, w, _ = ring[0]
-        want = np.asarray(reference(x, ids, w, *dev).astype(jnp.float32))
-        got = np.asarray(ours(x, ids, w, p13, p2).astype(jnp.float32))
+        want = np.asarray(reference(x, ids, w, *ref_weights).astype(jnp.float32))
+        got = np.asarray(ours(x, ids, w, *packed[0]).astype(jnp.float32))
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         notes.append(f"check at T={tokens}: kernel vs jnp reference rel. Frobenius error {err:.1e} "
                      "(bf16)")
-      ref_s = time_baseline("jnp reference", budgets["ref"], tokens,
-                            lambda j: reference(x, pick(j)[0], pick(j)[1], *dev), args)
-    xla_s, xla_name = None, None
+      row.ref_s = time_baseline("jnp reference", budgets["ref"], tokens,
+                                lambda j: reference(x, pick(j)[0], pick(j)[1], *ref_weights), args)
     if ragged is not None:
-      w13, w2 = experts.bf16()
+      w13, w2 = stacks[0].bf16()
       r_s = time_baseline("bf16 ragged_dot", budgets["ragged"], tokens,
                           lambda j: ragged(x, pick(j)[0], pick(j)[1], w13, w2), args)
       d_s = time_baseline("bf16 dense einsum", budgets["dense"], tokens,
                           lambda j: dense(x, pick(j)[0], pick(j)[1], w13, w2), args)
-      candidates = [(s, n) for s, n in ((r_s, "ragged_dot"), (d_s, "einsum")) if s is not None]
+      candidates = [(t, n) for t, n in ((r_s, "ragged_dot"), (d_s, "einsum")) if t is not None]
       if candidates:
-        xla_s, xla_name = min(candidates)
-    ort_s = None
-    if session is not None:
-      feeds = [{"input": x32, "router_probs": r[2]} for r in ring]
-      ort_s = time_baseline("ORT QMoE", budgets["ort"], tokens,
-                            lambda j: session.run(None, feeds[j % len(feeds)]), args)
-    xla_cell = None if xla_s is None else f"{fmt_ms(xla_s)} ({xla_name})"
-    rows.append([tokens, f"{load:.1f}", fmt_ms(seconds), fmt_ms(min(times)), f"{gbps:.1f}",
-                 f"{gops:.0f}", fmt_ms(ref_s), ratio(ref_s, seconds), xla_cell,
-                 ratio(xla_s, seconds), fmt_ms(ort_s), ratio(ort_s, seconds)])
-  experts.drop()
-  del ref_weights
-  header = ["T", "load", "ours ms", "ours best ms", "weights GB/s", "int8 GOP/s", "jnp ref ms",
-            "vs ref", "bf16 XLA ms", "vs XLA", "ORT QMoE ms", "vs ORT"]
+        row.xla_s, row.xla_name = min(candidates)
+    rows.append(row)
+  for e in stacks:
+    e.drop()
+  header = ["T", "load", "ours ms", "ours best ms", "weights GB/s", "% DRAM", "int8 GOP/s",
+            "ORT QMoE ms", "vs ORT", "jnp ref ms", "vs ref", "bf16 XLA ms", "vs XLA"]
+  table = [[r.tokens, f"{r.load:.1f}", fmt_ms(r.ours_s), fmt_ms(r.ours_best_s),
+            f"{r.weight_gbps:.1f}", f"{100 * r.dram_fraction:.0f}", f"{r.gops:.0f}",
+            fmt_ms(r.ort_s), ratio(r.ort_s, r.ours_s), fmt_ms(r.ref_s), ratio(r.ref_s, r.ours_s),
+            None if r.xla_s is None else f"{fmt_ms(r.xla_s)} ({r.xla_name})",
+            ratio(r.xla_s, r.ours_s)] for r in rows]
   title = (f"### {shape.name} (E={shape.num_experts}, top-{shape.top_k}, H={h}, I={i}, "
            f"group {g}; {expert_bytes / 1e6:.2f} MB packed per expert)")
-  if t1_fraction is not None:
-    notes.append(f"T=1 reaches {100 * t1_fraction:.0f} % of the read bandwidth measured right "
-                 f"after it ({bandwidth:.1f} GB/s)")
-  return title + "\n\n" + markdown_table(header, rows), notes
+  return title + "\n\n" + markdown_table(header, table), notes, rows
+
+
+def machine_lines(threads: int, dram: dict[str, float], llc: tuple[int, int] | None) -> list[str]:
+  from jax_moeq import _ffi
+  module = _ffi.cpu_module()
+  model, flags = _timing.cpu_model_and_flags()
+  isa = "+".join(f for f in _timing.ISA_FLAGS if f in flags) or "none of " + "/".join(
+      _timing.ISA_FLAGS[:3])
+  llc_text = f"L{llc[0]} {llc[1] / 2**20:.0f} MiB" if llc else "LLC unknown"
+  return [
+      f"- machine: {model}, {_timing.usable_cores()} usable cores, {isa}, {llc_text}; "
+      f"kernel ISA {module.selected_isa()} (available {list(module.available_isas())})",
+      f"- threads: {threads} (XLA's intra-op pool, PJRT_NPROC; ORT intra-op threads the same)",
+      f"- DRAM read bandwidth ({dram['nbytes'] / 2**30:.1f} GiB array, {dram['threads']} threads): "
+      f"{dram['best']:.1f} GB/s (" + ", ".join(f"{k} {dram[k]:.1f}" for k in ("native", "numpy", "xla")
+                                   if k in dram) + ")",
+  ]
+
+
+def plot(results: dict[str, list[Row]], path: str, title: str) -> None:
+  """Time against T (ours, ORT, bf16 XLA) and our DRAM fraction, one column per shape."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+  except ImportError:
+    progress("--plot needs matplotlib (pip install matplotlib); no plot written")
+    return
+  fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 7), squeeze=False)
+  for col, (name, rows) in enumerate(results.items()):
+    t = [r.tokens for r in rows]
+    ax = axes[0][col]
+    ax.plot(t, [r.ours_s * 1e3 for r in rows], "o-", label="jax_moeq W4A8")
+    for attr, label in (("ort_s", "ORT QMoE (int4, accuracy_level 4)"), ("xla_s", "bf16 XLA")):
+      pts = [(r.tokens, getattr(r, attr) * 1e3) for r in rows if getattr(r, attr)]
+      if pts:
+        ax.plot(*zip(*pts), "s--", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="ms per layer", title=name)
+    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax = axes[1][col]
+    ax.plot(t, [100 * r.dram_fraction for r in rows], "o-")
+    ax.axhline(85, color="gray", ls=":", label="85 % target")
+    ax.set(xscale="log", xlabel="tokens T", ylabel="% of DRAM read bandwidth (weights hit)")
+    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  progress(f"plot written to {path}")
+
+
+def thread_scaling(args, argv: list[str]) -> str:
+  """One process per thread count (XLA's pool is sized at start), each printing JSON rows."""
+  cores = _timing.usable_cores()
+  counts = [n for n in args.thread_scaling if n <= cores]
+  skipped = [n for n in args.thread_scaling if n > cores]
+  rows, dram = [], []
+  for n in counts:
+    progress(f"thread scaling: {n} thread(s)")
+    child = [a for a in argv if not a.startswith("--thread-scaling") and a not in
+             (",".join(map(str, args.thread_scaling)),)]
+    cmd = [sys.executable, os.path.abspath(__file__), *child, "--threads", str(n), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+      raise SystemExit(f"thread scaling at {n} threads failed:\n{out.stderr[-2000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    dram.append(result["dram_gbps"])
+    for shape, shape_rows in result["rows"].items():
+      for r in shape_rows:
+        rows.append([n, shape, r["tokens"], fmt_ms(r["ours_s"]), f"{r['weight_gbps']:.1f}",
+                     f"{100 * r['dram_fraction']:.0f}", f"{r['gops']:.0f}", fmt_ms(r["ort_s"]),
+                     ratio(r["ort_s"], r["ours_s"])])
+  header = ["threads", "shape", "T", "ours ms", "weights GB/s", "% DRAM", "int8 GOP/s",
+            "ORT ms", "vs ORT"]
+  model, _ = _timing.cpu_model_and_flags()
+  text = (f"### Thread scaling\n\n- {model}, {cores} usable cores; DRAM read bandwidth (all "
+          f"cores) {min(dram, default=0):.1f}-{max(dram, default=0):.1f} GB/s over the runs; "
+          f"% DRAM is of each run's own reading\n\n" + markdown_table(header, rows))
+  if skipped:
+    text += f"\n\n- not run: {skipped} threads (this machine has {cores} usable cores)"
+  return text
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--shapes", default=",".join(SHAPES),
+  parser.add_argument("--shapes", default="olmoe,qwen,mixtral",
                       help=f"comma-separated subset of {list(SHAPES)}")
   parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                       help="comma-separated token counts T")
   parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128, -1))
-  parser.add_argument("--baselines", default="ref,xla,ort",
-                      help="comma-separated subset of ref,xla,ort (empty for none)")
+  parser.add_argument("--layers", type=int, default=0,
+                      help="layers rotated (default: packed experts >= 2x the last-level cache)")
+  parser.add_argument("--threads", type=int,
+                      help="XLA intra-op threads (PJRT_NPROC) and ORT's (default: usable cores)")
+  parser.add_argument("--thread-scaling", default="",
+                      help="comma-separated thread counts, one process each (e.g. 1,2,4,8,16)")
+  parser.add_argument("--baselines", default="ort",
+                      help="comma-separated subset of ort,ref,xla (empty for none)")
   parser.add_argument("--baseline-budget", type=float, default=30.0,
-                      help="seconds per baseline per shape (T values that do not fit are left out)")
-  parser.add_argument("--target-seconds", type=float, default=1.0,
-                      help="timed seconds per measurement of our kernel")
+                      help="seconds per ref/xla baseline per shape (T values over it left out)")
+  parser.add_argument("--target-seconds", type=float, default=2.0,
+                      help="timed seconds per T (all contenders, interleaved)")
   parser.add_argument("--ring", type=int, default=16, help="routings cycled between calls")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true",
                       help="OLMoE only, T in {1, 8, 128}, short timings and budgets")
   parser.add_argument("--out", help="also write the markdown report to this file")
+  parser.add_argument("--plot", help="write a PNG of time and DRAM fraction against T")
+  parser.add_argument("--json", action="store_true", help="end with one JSON line of the rows")
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parser.parse_args(argv)
   if args.quick:
     args.shapes, args.tokens = "olmoe", "1,8,128"
-    args.target_seconds, args.baseline_budget = 0.3, 10.0
+    args.target_seconds, args.baseline_budget = 0.6, 10.0
   args.shapes = [s for s in args.shapes.split(",") if s]
   for s in args.shapes:
     if s not in SHAPES:
@@ -417,35 +590,55 @@ def main(argv=None) -> int:
   args.baselines = [b for b in args.baselines.split(",") if b]
   for b in args.baselines:
     if b not in ("ref", "xla", "ort"):
-      parser.error(f"unknown baseline {b!r}; expected some of ref,xla,ort")
+      parser.error(f"unknown baseline {b!r}; expected some of ort,ref,xla")
+  args.thread_scaling = [int(n) for n in args.thread_scaling.split(",") if n]
+  if args.thread_scaling:
+    print(thread_scaling(args, argv))
+    return 0
+  args.threads_used = args.threads or _timing.usable_cores()
+  if args.threads and args.threads > _timing.usable_cores():
+    progress(f"--threads {args.threads} exceeds the {_timing.usable_cores()} usable cores")
 
-  command = sys.argv[1:] if argv is None else list(argv)
-  from jax_moeq import _ffi
-  module = _ffi.cpu_module()
-  progress("measuring read bandwidth (1 GiB, 2 threads)")
-  bw = read_bandwidth_gbps(threads=2)
+  llc = _timing.last_level_cache()
+  llc_bytes = llc[1] if llc else None
+  # DRAM, not cache: an array 8x the last-level cache (at least 1 GiB).
+  nbytes = max(1 << 30, 8 * (llc_bytes or 0))
+  # The machine's bandwidth, read with every usable core whatever --threads says: the fraction
+  # is of what the memory system can deliver.
+  probe_threads = _timing.usable_cores()
+  progress(f"measuring DRAM read bandwidth ({nbytes / 2**30:.1f} GiB, {probe_threads} threads)")
+  dram = read_bandwidth_gbps(nbytes=nbytes, threads=probe_threads)
+  dram["threads"] = probe_threads
+  dram["nbytes"] = nbytes
   started = time.strftime("%Y-%m-%d %H:%M")
   lines = [
       "## CPU W4A8 fused MoE benchmark", "",
-      f"- date: {started}; machine: {platform.machine()}, {os.cpu_count()} cores, kernel ISA "
-      f"{module.selected_isa()} (available {module.available_isas()}); jax {jax.__version__}",
-      f"- command: `python benchmarks/cpu_moe_bench.py {' '.join(command)}`",
-      f"- read bandwidth (1 GiB sum, 2 threads): {bw['best']:.1f} GB/s (numpy {bw['numpy']:.1f}, "
-      f"XLA {bw['xla']:.1f})",
-      "- activations bf16 (ORT: float32, its CPU QMoE input type); times are medians (\"best\": "
-      "the fastest call); GB/s and GOP/s use the median; ratios are baseline median / ours; "
-      "\"load\": 1-minute load average when our kernel was timed (2 cores; other processes slow "
-      "every contender); \"—\": not measured (baseline over its time budget, or absent)",
+      f"- date: {started}; jax {jax.__version__}",
+      f"- command: `python benchmarks/cpu_moe_bench.py {' '.join(argv)}`",
+      *machine_lines(args.threads_used, dram, llc),
+      "- activations bf16 (ORT: float32, its CPU QMoE input type); times are medians over calls "
+      "that rotate layers and routings (\"best\": the fastest call); GB/s, % DRAM and GOP/s use "
+      "the median; ratios are peer median / ours; \"load\": 1-minute load average before the "
+      "T was timed; \"—\": not measured",
       "",
   ]
+  results: dict[str, list[Row]] = {}
   for name in args.shapes:
-    table, notes = bench_shape(SHAPES[name], args, bw["best"])
+    table, notes, rows = bench_shape(SHAPES[name], args, dram["best"], llc_bytes)
+    results[SHAPES[name].name] = rows
     lines += [table, ""] + [f"- {n}" for n in notes] + [""]
   report = "\n".join(lines)
   print(report)
   if args.out:
     with open(args.out, "w") as f:
       f.write(report + "\n")
+  if args.plot:
+    model, _ = _timing.cpu_model_and_flags()
+    plot(results, args.plot, f"{model}, {args.threads_used} threads, {started}; DRAM "
+                             f"{dram['best']:.1f} GB/s")
+  if args.json:
+    print(json.dumps({"dram_gbps": dram["best"], "threads": args.threads_used,
+                      "rows": {k: [dataclasses.asdict(r) for r in v] for k, v in results.items()}}))
   return 0
 
 

@@ -30,12 +30,10 @@ import contextlib
 import inspect
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -60,41 +58,9 @@ VARIANTS: dict[str, tuple[str | None, str]] = {
     "mxint4": ("mxint4", "auto"),
 }
 DEFAULT_VARIANTS = {"cpu": "float,w4a8_int8", "gpu": "float_ragged_dot,wna16,mxint4"}
-ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
 # ------------------------------------------------------------------ the machine
-def _cpu_flags_and_model() -> tuple[str, set[str]]:
-  model, flags = platform.processor() or platform.machine(), set()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and value.strip():
-          model = value.strip()
-        elif key.strip() == "flags":
-          flags = set(value.split())
-        if flags and model:
-          break
-  except OSError:
-    pass
-  return model, flags
-
-
-def _last_level_cache() -> str | None:
-  """Size of the highest cache level of cpu0, e.g. '32768K', from sysfs."""
-  best: tuple[int, str] | None = None
-  for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-    try:
-      level = int((index / "level").read_text())
-      size = (index / "size").read_text().strip()
-    except (OSError, ValueError):
-      continue
-    if best is None or level > best[0]:
-      best = (level, size)
-  return None if best is None else f"L{best[0]} {best[1]}"
-
-
 def _nvidia_smi() -> dict[str, str] | None:
   fields = "name,clocks.sm,clocks.max.sm,clocks.mem,driver_version"
   try:
@@ -117,11 +83,12 @@ def _kernel_isa() -> str | None:
 
 def machine_info() -> dict[str, Any]:
   """CPU model, cores, ISA flags, LLC; the accelerator and its clocks (nvidia-smi) when present."""
-  cpu, flags = _cpu_flags_and_model()
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  cpu, flags = _timing.cpu_model_and_flags()
+  llc = _timing.last_level_cache()
   info: dict[str, Any] = {
-      "cpu": cpu, "cores": cores, "isa": [f for f in ISA_FLAGS if f in flags],
-      "llc": _last_level_cache(), "kernel_isa": _kernel_isa(), "platform": jax.default_backend(),
+      "cpu": cpu, "cores": _timing.usable_cores(),
+      "isa": [f for f in _timing.ISA_FLAGS if f in flags],
+      "llc": None if llc is None else f"L{llc[0]} {llc[1] >> 20} MiB", "kernel_isa": _kernel_isa(), "platform": jax.default_backend(),
       "device": jax.devices()[0].device_kind, "jax": jax.__version__}
   if info["platform"] == "gpu":
     info["nvidia_smi"] = _nvidia_smi()

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/cpu_isa.h"
+#include "cpu/read_probe.h"
 #include "cpu/w4a8_moe.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla_ffi/abi_version.h"
@@ -27,6 +28,17 @@ PYBIND11_MODULE(_cpu_ffi, m) {
         py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeCpuInto));
     return targets;
   });
+  m.def("read_bandwidth_gbps",
+        [](int64_t nbytes, int threads, int repeats) {
+          if (nbytes < 1 || threads < 1 || threads > 1024 || repeats < 1) {
+            throw py::value_error("read_bandwidth_gbps: nbytes, threads and repeats must be >= 1");
+          }
+          py::gil_scoped_release release;
+          return jax_moeq::cpu::MeasureReadBandwidth(nbytes, threads, repeats);
+        },
+        py::arg("nbytes"), py::arg("threads"), py::arg("repeats") = 5,
+        "Sustained read bandwidth (GB/s, best of `repeats`) of `threads` threads summing one "
+        "`nbytes` buffer: the benchmarks' DRAM figure.");
   m.def("available_isas", []() {
     std::vector<std::string> names;
     for (auto isa : jax_moeq::cpu::AvailableIsas()) names.push_back(jax_moeq::cpu::IsaName(isa));

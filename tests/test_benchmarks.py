@@ -1,0 +1,45 @@
+"""The CPU benchmark runs end to end on a tiny shape (as a script, importing whichever jax_moeq
+is installed or on PYTHONPATH), and the native read-bandwidth probe behind its "% DRAM"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_moeq import _ffi
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "cpu_moe_bench.py"
+pytestmark = pytest.mark.skipif(not _ffi.cpu_library_available(), reason="CPU library not built")
+
+
+def test_read_probe_measures_and_refuses_bad_sizes():
+  gbps = _ffi.cpu_module().read_bandwidth_gbps(64 << 20, 2, 2)
+  assert 0.1 < gbps < 10_000, gbps
+  with pytest.raises(ValueError, match="must be >= 1"):
+    _ffi.cpu_module().read_bandwidth_gbps(0, 1)
+  with pytest.raises(ValueError, match="must be >= 1"):
+    _ffi.cpu_module().read_bandwidth_gbps(1 << 20, 0)
+
+
+def test_cpu_bench_runs_on_a_tiny_shape(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, str(BENCH), "--shapes", "tiny", "--tokens", "1,3", "--layers", "2",
+         "--target-seconds", "0.05", "--baselines", "ort,ref,xla", "--baseline-budget", "5",
+         "--threads", "1", "--out", str(tmp_path / "report.md"), "--json"]
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["threads"] == 1 and result["dram_gbps"] > 0
+  rows = result["rows"]["tiny"]
+  assert [r["tokens"] for r in rows] == [1, 3]
+  for r in rows:
+    assert r["ours_s"] > 0 and r["weight_gbps"] > 0 and r["calls"] >= 5
+    assert r["ref_s"] is not None and r["xla_s"] is not None
+  report = (tmp_path / "report.md").read_text()
+  assert "### tiny (E=8, top-2, H=256, I=256" in report and "DRAM read bandwidth" in report
+  assert "check at T=3: kernel vs jnp reference" in report
