@@ -2,19 +2,42 @@
 
 #include <cstdlib>
 
+// Linux reports AArch64 features in the auxiliary vector; elsewhere the NEON
+// paths are built but not chosen.
+#if defined(JAX_MOEQ_AARCH64) && defined(__linux__)
+#define JAX_MOEQ_AARCH64_HWCAP 1
+#include <sys/auxv.h>
+// Linux's bit numbers (asm/hwcap.h), for C libraries whose headers predate them.
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+#endif
+
 namespace jax_moeq::cpu {
+namespace {
+
+// Every path of any build, in the order JAX_MOEQ_CPU_ISA's error message lists them.
+constexpr Isa kAllIsas[] = {Isa::kAvx512Vnni, Isa::kAvx2, Isa::kNeonI8mm, Isa::kNeonDotprod,
+                            Isa::kPortable};
+
+}  // namespace
 
 const char* IsaName(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Vnni: return "avx512_vnni";
     case Isa::kAvx2: return "avx2";
+    case Isa::kNeonI8mm: return "neon_i8mm";
+    case Isa::kNeonDotprod: return "neon_dotprod";
     case Isa::kPortable: return "portable";
   }
   return "unknown";
 }
 
 bool ParseIsa(const std::string& name, Isa* isa) {
-  for (Isa candidate : {Isa::kAvx512Vnni, Isa::kAvx2, Isa::kPortable}) {
+  for (Isa candidate : kAllIsas) {
     if (name == IsaName(candidate)) {
       *isa = candidate;
       return true;
@@ -24,6 +47,12 @@ bool ParseIsa(const std::string& name, Isa* isa) {
 }
 
 namespace {
+
+std::string AllIsaNames() {
+  std::string names;
+  for (Isa isa : kAllIsas) names += std::string(names.empty() ? "" : ", ") + IsaName(isa);
+  return names;
+}
 
 // CPU feature detection, run once per process: __builtin_cpu_init writes libgcc's global
 // feature table, so calls from the handler's concurrent first uses would race on it (and cost
@@ -42,6 +71,14 @@ std::vector<Isa> DetectIsas() {
     isas.push_back(Isa::kAvx2);
   }
 #endif
+#if defined(JAX_MOEQ_AARCH64_HWCAP)
+  // The kernel reports what user space may execute; the i8mm path also runs the dotprod
+  // code (an odd last token), so it needs both.
+  const bool dotprod = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+  const bool i8mm = (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+  if (dotprod && i8mm) isas.push_back(Isa::kNeonI8mm);
+  if (dotprod) isas.push_back(Isa::kNeonDotprod);
+#endif
   isas.push_back(Isa::kPortable);
   return isas;
 }
@@ -59,8 +96,7 @@ Isa SelectIsa(std::string* error) {
   if (forced == nullptr || *forced == '\0') return available.front();
   Isa isa;
   if (!ParseIsa(forced, &isa)) {
-    *error = std::string("JAX_MOEQ_CPU_ISA='") + forced +
-             "' is not one of avx512_vnni, avx2, portable";
+    *error = std::string("JAX_MOEQ_CPU_ISA='") + forced + "' is not one of " + AllIsaNames();
     return Isa::kPortable;
   }
   for (Isa candidate : available) {

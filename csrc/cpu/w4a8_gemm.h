@@ -34,12 +34,20 @@ void W4A8GemmPortable(const W4A8GemmArgs& args);
 void W4A8GemmAvx2(const W4A8GemmArgs& args);
 void W4A8GemmAvx512Vnni(const W4A8GemmArgs& args);
 #endif
+#if defined(JAX_MOEQ_AARCH64)
+void W4A8GemmNeonDotprod(const W4A8GemmArgs& args);
+void W4A8GemmNeonI8mm(const W4A8GemmArgs& args);
+#endif
 
 inline void W4A8Gemm(Isa isa, const W4A8GemmArgs& args) {
   switch (isa) {
 #if defined(JAX_MOEQ_X86)
     case Isa::kAvx512Vnni: return W4A8GemmAvx512Vnni(args);
     case Isa::kAvx2: return W4A8GemmAvx2(args);
+#endif
+#if defined(JAX_MOEQ_AARCH64)
+    case Isa::kNeonI8mm: return W4A8GemmNeonI8mm(args);
+    case Isa::kNeonDotprod: return W4A8GemmNeonDotprod(args);
 #endif
     default: return W4A8GemmPortable(args);
   }

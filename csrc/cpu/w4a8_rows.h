@@ -39,6 +39,7 @@ const RowOps& PortableRowOps();
 const RowOps& Avx512RowOps();
 #endif
 
+// The NEON GEMM paths use the portable row ops.
 inline const RowOps& RowOpsFor(Isa isa) {
 #if defined(JAX_MOEQ_X86)
   if (isa == Isa::kAvx512Vnni) return Avx512RowOps();
