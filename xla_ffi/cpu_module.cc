@@ -37,7 +37,7 @@ PYBIND11_MODULE(_cpu_ffi, m) {
           return jax_moeq::cpu::MeasureReadBandwidth(nbytes, threads, repeats);
         },
         py::arg("nbytes"), py::arg("threads"), py::arg("repeats") = 5,
-        "Sustained read bandwidth (GB/s, best of `repeats`) of `threads` threads summing one "
+        "Sustained read bandwidth (GB/s, median of `repeats` passes) of `threads` threads summing one "
         "`nbytes` buffer: the benchmarks' DRAM figure.");
   m.def("available_isas", []() {
     std::vector<std::string> names;
