@@ -19,6 +19,22 @@ GEMM2 then yields a partial [T, H] per shard; `psum` adds them. w2's bias is add
 Both can be combined (a 2-D mesh). Partial outputs are summed in float32 and rounded once to the
 activation dtype.
 
+Token dispatch (`dispatch=`):
+- "replicated" (the default): every shard sees all T tokens and the shards' partial outputs meet
+  in a `psum` of T x H float32, whatever the routing.
+- "all_to_all": tokens stay sharded over the expert axis (T / n_ep per shard). Each shard routes
+  its own tokens, packs its (token, slot) pairs by the shard that holds their expert into a
+  [n_ep, C, H] buffer, exchanges it with `lax.all_to_all`, runs the pairs it received on its local
+  experts (each pair a one-slot row: the same kernels), and returns the per-pair outputs by the
+  reverse `all_to_all`; each shard then combines its tokens' top-k in slot order, with the
+  rounding points of the single-device op (W4A8, EP only: bit-identical to it). C, the per-
+  destination capacity, is ceil(capacity_factor * T_local * K / n_ep); pairs past C go in further
+  rounds of the same exchange (all shards run max over shards of ceil(count / C) rounds), so no
+  pair is dropped and the result never depends on C, only the work does. A dense `all_to_all`
+  because XLA:CPU has no `ragged_all_to_all`. Per round, each shard sends and receives
+  n_ep * C rows of H activations (and C ids and weights per destination): about
+  capacity_factor * T_local * K * H * bytes, against the replicated dispatch's T * H * 4.
+
 Rounding: EP keeps the single-device arithmetic of every (token, expert) pair; only the order of
 the top-k sum changes (f32 psum of per-shard partial sums), so results match to float32
 reassociation (and to the bf16 rounding of partial sums in bf16). TP changes one rounding point of
@@ -32,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -39,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jax_moeq import reference
 from jax_moeq.experts.cpu_int4 import w4a8_scales
 from jax_moeq.ops import w4a8_cpu
 from jax_moeq.weights import fold_w2_act_order
@@ -225,15 +243,124 @@ def _combine(y: Array, out_dtype, axes: tuple[str, ...]) -> Array:
   return y.astype(out_dtype)
 
 
+# ------------------------------------------------------------------ all-to-all dispatch
+DISPATCHES = ("replicated", "all_to_all")
+
+
+def _check_dispatch(dispatch: str, expert_axis: str | None) -> None:
+  if dispatch not in DISPATCHES:
+    raise ValueError(f"dispatch={dispatch!r} is not one of {DISPATCHES}")
+  if dispatch == "all_to_all" and expert_axis is None:
+    raise ValueError("dispatch='all_to_all' needs an expert axis (expert_axis=None given)")
+
+
+def a2a_capacity(tokens_per_shard: int, top_k: int, n_ep: int, capacity_factor: float) -> int:
+  """Rows per destination shard per exchange round: ceil(factor * T_local * K / n_ep), in
+  [1, T_local * K] (the upper end never needs a second round)."""
+  if capacity_factor <= 0:
+    raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+  pairs = tokens_per_shard * top_k
+  return int(min(max(pairs, 1), max(1, math.ceil(capacity_factor * pairs / n_ep))))
+
+
+def _a2a_pair_outputs(run: Callable[[Array, Array, Array], Array], x: Array, topk_ids: Array,
+                      topk_weights: Array, local_experts: int, axis: str, n_ep: int,
+                      capacity: int, tensor_axis: str | None) -> tuple[Array, Array]:
+  """(y [T, K, H] in x.dtype, valid [T, K]): every (token, slot) pair of this shard's tokens run
+  on the shard holding its expert; y is 0 for pairs whose id is outside [0, E).
+
+  `run(rows [R, H], local_ids [R, 1], weights [R, 1]) -> [R, H]` computes one-slot rows on this
+  shard's experts (local id `local_experts` is the null expert, which returns 0).
+  """
+  t, k = topk_ids.shape
+  h = x.shape[-1]
+  pairs = t * k
+  ids = topk_ids.reshape(-1)
+  valid = (ids >= 0) & (ids < local_experts * n_ep)
+  dest = jnp.where(valid, ids // local_experts, n_ep).astype(jnp.int32)
+  local = jnp.where(valid, ids % local_experts, local_experts).astype(jnp.int32)
+  weights = topk_weights.reshape(-1).astype(jnp.float32)
+  token = jnp.arange(pairs, dtype=jnp.int32) // k
+  # Rank of each pair among the pairs bound for the same shard, in pair order.
+  order = jnp.argsort(dest, stable=True)
+  counts = jnp.zeros((n_ep + 1,), jnp.int32).at[dest].add(1)
+  starts = jnp.cumsum(counts) - counts
+  pos = jnp.zeros((pairs,), jnp.int32).at[order].set(
+      jnp.arange(pairs, dtype=jnp.int32) - starts[dest[order]])
+  rounds = (jnp.max(counts[:n_ep]) + capacity - 1) // capacity
+  rounds = jax.lax.pmax(rounds, axis)  # every shard takes part in every exchange
+  slots = n_ep * capacity
+
+  def exchange(a: Array) -> Array:
+    shaped = a.reshape(n_ep, capacity, *a.shape[1:])
+    return jax.lax.all_to_all(shaped, axis, 0, 0, tiled=True).reshape(a.shape)
+
+  def one_round(state):
+    r, y = state
+    in_round = valid & (pos >= r * capacity) & (pos < (r + 1) * capacity)
+    slot = jnp.where(in_round, dest * capacity + pos - r * capacity, slots)
+    send_x = jnp.zeros((slots, h), x.dtype).at[slot].set(x[token], mode="drop")
+    send_id = jnp.full((slots,), local_experts, jnp.int32).at[slot].set(local, mode="drop")
+    send_w = jnp.zeros((slots,), jnp.float32).at[slot].set(weights, mode="drop")
+    got = run(exchange(send_x), exchange(send_id)[:, None], exchange(send_w)[:, None])
+    if tensor_axis is not None:  # partial GEMM2 outputs of the tensor-parallel slices
+      got = jax.lax.psum(got.astype(jnp.float32), tensor_axis).astype(x.dtype)
+    back = exchange(got.astype(x.dtype))
+    y = jnp.where(in_round[:, None], back[jnp.minimum(slot, slots - 1)], y)
+    return r + 1, y
+
+  # The carry varies over the shards like the tokens it is gathered from (shard_map's types).
+  y0 = jnp.zeros_like(x[token])
+  _, y = jax.lax.while_loop(lambda state: state[0] < rounds, one_round, (jnp.int32(0), y0))
+  return y.reshape(t, k, h), valid.reshape(t, k)
+
+
+def _a2a_apply(run, x: Array, topk_ids: Array, topk_weights: Array, local_experts: int,
+               axis: str, n_ep: int, capacity_factor: float, tensor_axis: str | None) -> Array:
+  """This shard's tokens' outputs [T_local, H] (x.dtype) under all-to-all dispatch.
+
+  Each pair travels with its router weight and runs as a one-slot row, so the expert's shard
+  returns v = round(y2 * w) (or y2 of the weighted input, with the weight on the input) exactly
+  as the op computes it; the tokens' shard then adds the v of its slots in order, rounding each
+  step (SPEC §4 step 5). Only additions happen here: a product left to XLA may be fused into an
+  FMA, which moved float32 results by an ulp against the op."""
+  t, k = topk_ids.shape
+  capacity = a2a_capacity(t, k, n_ep, capacity_factor)
+  v, _ = _a2a_pair_outputs(run, x, topk_ids, topk_weights, local_experts, axis, n_ep, capacity,
+                           tensor_axis)
+  out = jnp.zeros((t, x.shape[-1]), jnp.float32)
+  for slot in range(k):
+    out = reference.round_to_dtype(out + v[:, slot].astype(jnp.float32), x.dtype)
+  return out.astype(x.dtype)
+
+
+def _pad_tokens(n: int, *arrays: Array) -> tuple[int, list[Array]]:
+  """Pads the token axis to a multiple of n (ids -1: a padded row is routed nowhere)."""
+  t = arrays[0].shape[0]
+  extra = (-t) % n
+  if not extra:
+    return t, list(arrays)
+  out = []
+  for a in arrays:
+    fill = -1 if jnp.issubdtype(a.dtype, jnp.integer) else 0
+    out.append(jnp.concatenate([a, jnp.full((extra, *a.shape[1:]), fill, a.dtype)]))
+  return t, out
+
+
 def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
                      weights: ShardedW4A8Weights, *, apply_router_weight_on_input: bool = False,
-                     activation_kind: int = 0, capacity_factor: float | None = 2.0) -> Array:
+                     activation_kind: int = 0, capacity_factor: float | None = 2.0,
+                     dispatch: str = "replicated") -> Array:
   """`dynamic_4bit_int_moe` over the mesh of `weights` (EP and/or TP).
 
-  x [T, H], topk_ids / topk_weights [T, K] are replicated over the mesh; the result is too.
-  `capacity_factor` (EP only) sizes the compacted per-shard call (see `_ep_apply`); None always
-  runs every pair on every shard.
+  dispatch="replicated": x [T, H], topk_ids / topk_weights [T, K] are replicated over the mesh;
+  the result is too. `capacity_factor` (EP only) sizes the compacted per-shard call (see
+  `_ep_apply`); None always runs every pair on every shard.
+  dispatch="all_to_all": tokens are sharded over the expert axis (T padded to a multiple of its
+  size) and so is the result; `capacity_factor` (default 2 when None) sizes the exchange (module
+  docstring). With EP alone the result is bit-identical to the single-device op.
   """
+  _check_dispatch(dispatch, weights.expert_axis)
   mesh = weights.mesh
   n_ep = _axis_size(mesh, weights.expert_axis)
   n_tp = _axis_size(mesh, weights.tensor_axis)
@@ -244,13 +371,28 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
   if x.ndim != 2 or x.shape[1] != h:
     raise ValueError(f"x must be [tokens, {h}], got shape {x.shape}")
 
-  def body(x, ids, w, w13, w2):
-    run = lambda x, ids, w: w4a8_cpu.dynamic_4bit_int_moe(
+  def kernel(w13, w2):
+    return lambda x, ids, w: w4a8_cpu.dynamic_4bit_int_moe(
         x, ids, w, w13[0], w2[0], h, local_i, 2 * local_i, g,
         apply_router_weight_on_input=apply_router_weight_on_input,
         activation_kind=activation_kind)
-    y = _ep_apply(run, x, ids.astype(jnp.int32), w, local_e, weights.expert_axis, n_ep,
-                  capacity_factor)
+
+  if dispatch == "all_to_all":
+    def a2a_body(x, ids, w, w13, w2):
+      return _a2a_apply(kernel(w13, w2), x, ids.astype(jnp.int32), w, local_e,
+                        weights.expert_axis, n_ep, capacity_factor or 2.0, weights.tensor_axis)
+
+    t, (x, topk_ids, topk_weights) = _pad_tokens(n_ep, x, topk_ids, topk_weights)
+    tokens = P(weights.expert_axis)
+    fn = _shard_map(a2a_body, mesh=mesh,
+                    in_specs=(tokens, tokens, tokens, weights.spec, weights.spec),
+                    out_specs=tokens)
+    return fn(x, topk_ids, topk_weights.astype(jnp.float32), weights.w13_packed,
+              weights.w2_packed)[:t]
+
+  def body(x, ids, w, w13, w2):
+    y = _ep_apply(kernel(w13, w2), x, ids.astype(jnp.int32), w, local_e, weights.expert_axis,
+                  n_ep, capacity_factor)
     return _combine(y, x.dtype, axes)
 
   fn = _shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), weights.spec, weights.spec),
@@ -260,12 +402,15 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
 
 def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
                         tensor_axis: str | None = None,
-                        capacity_factor: float | None = 2.0) -> Callable[..., Array]:
+                        capacity_factor: float | None = 2.0,
+                        dispatch: str = "replicated") -> Callable[..., Array]:
   """A sharded version of a `jax_moeq.nn.QuantizedMoE` block on the CPU W4A8 kernel.
 
   Returns `fn(x[..., H], router_logits=None) -> y[..., H]`, jittable, with the block's routing
-  and router; the experts run EP / TP over `mesh` (weights packed and placed once, here).
+  and router; the experts run EP / TP over `mesh` (weights packed and placed once, here), their
+  tokens dispatched as `dispatch` says (`w4a8_moe_sharded`).
   """
+  _check_dispatch(dispatch, expert_axis)
   w = block.canonical_int4()
   if w.w13_g_idx is not None:
     raise ValueError("blocks with act-order on w13 cannot run on the W4A8 kernel")
@@ -281,7 +426,8 @@ def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
     topk_weights, topk_ids = block.route(logits)
     y = w4a8_moe_sharded(tokens, topk_ids, topk_weights, sharded,
                          apply_router_weight_on_input=spec.apply_router_weight_on_input,
-                         activation_kind=kind, capacity_factor=capacity_factor)
+                         activation_kind=kind, capacity_factor=capacity_factor,
+                         dispatch=dispatch)
     return y.reshape(*lead, spec.hidden_size)
 
   return fn
@@ -329,18 +475,35 @@ def shard_float_weights(w13: Array, w2: Array, *, mesh: Mesh, expert_axis: str |
 
 def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
                     topk_weights: Array, weights: ShardedExpertArrays, *,
-                    capacity_factor: float | None = 2.0) -> Array:
+                    capacity_factor: float | None = 2.0, dispatch: str = "replicated") -> Array:
   """Runs `expert_fn(x, topk_ids, topk_weights, **local_arrays) -> [T, H]` per shard and sums.
 
   `expert_fn` sees local expert ids in [0, E/n_ep] (the last is the null expert, all zeros) and
   the local TP slice of every array; it must return the shard's [T, H] contribution, and it
-  may be called with [C, 1] compacted pairs (see `_ep_apply`).
+  may be called with [C, 1] compacted pairs (see `_ep_apply`). With dispatch="all_to_all" it is
+  called with one-slot rows only (each with its router weight), tokens and the result are
+  sharded over the expert axis, and each token adds its slots' outputs in order, rounding each
+  step (see `w4a8_moe_sharded`).
   """
+  _check_dispatch(dispatch, weights.expert_axis)
   mesh = weights.mesh
   n_ep = _axis_size(mesh, weights.expert_axis)
   local_e = weights.num_experts // n_ep
   axes = tuple(a for a in (weights.tensor_axis, weights.expert_axis) if a is not None)
   spec = P(weights.tensor_axis, weights.expert_axis)
+
+  if dispatch == "all_to_all":
+    def a2a_body(x, ids, w, *arrays):
+      local = {n: a[0] for n, a in zip(weights.names, arrays)}
+      run = lambda x, ids, w: expert_fn(x, ids, w, **local)
+      return _a2a_apply(run, x, ids.astype(jnp.int32), w, local_e, weights.expert_axis, n_ep,
+                        capacity_factor or 2.0, weights.tensor_axis)
+
+    t, (x, topk_ids, topk_weights) = _pad_tokens(n_ep, x, topk_ids, topk_weights)
+    tokens = P(weights.expert_axis)
+    fn = _shard_map(a2a_body, mesh=mesh, in_specs=(tokens,) * 3 + (spec,) * len(weights.arrays),
+                    out_specs=tokens)
+    return fn(x, topk_ids, topk_weights.astype(jnp.float32), *weights.arrays)[:t]
 
   def body(x, ids, w, *arrays):
     local = {n: a[0] for n, a in zip(weights.names, arrays)}
