@@ -126,6 +126,15 @@ def _tp_slices(w13, w2, w13_bias, w2_bias, n_tp: int):
   return out
 
 
+def _place(a, sharding: NamedSharding) -> Array:
+  """A host-computed global array on the mesh. With several processes (jax.distributed), each
+  fills the shards of its own devices from its copy (every process computes the same `a`)."""
+  if jax.process_count() == 1:
+    return jax.device_put(a, sharding)
+  host = np.asarray(a)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _append_null_experts(x: Array, n_ep: int, null: Array) -> Array:
   """[E, ...] -> [n_ep * (E/n_ep + 1), ...]: each block of E/n_ep experts gets `null` appended."""
   blocks = x.reshape(n_ep, x.shape[0] // n_ep, *x.shape[1:])
@@ -197,7 +206,7 @@ def shard_w4a8_weights(w13_weight: Array, w2_weight: Array, w13_weight_scale: Ar
   w13_packed, w2_packed = jnp.stack(g13s), jnp.stack(g2s)
   sharding = NamedSharding(mesh, P(tensor_axis, expert_axis))
   return ShardedW4A8Weights(
-      jax.device_put(w13_packed, sharding), jax.device_put(w2_packed, sharding), e, h, i,
+      _place(w13_packed, sharding), _place(w2_packed, sharding), e, h, i,
       group_size, mesh, expert_axis, tensor_axis)
 
 
@@ -469,7 +478,7 @@ def shard_float_weights(w13: Array, w2: Array, *, mesh: Mesh, expert_axis: str |
       per_name.setdefault(name, []).append(a)
   sharding = NamedSharding(mesh, P(tensor_axis, expert_axis))
   names = tuple(per_name)
-  arrays = tuple(jax.device_put(jnp.stack(per_name[n]), sharding) for n in names)
+  arrays = tuple(_place(jnp.stack(per_name[n]), sharding) for n in names)
   return ShardedExpertArrays(arrays, names, e, i, mesh, expert_axis, tensor_axis)
 
 

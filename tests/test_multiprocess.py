@@ -1,0 +1,121 @@
+"""Expert and tensor parallelism across processes: 2 and 4 Python processes on this machine,
+joined by `jax.distributed.initialize` (coordinator on 127.0.0.1, CPU collectives through gloo),
+each with one or two CPU devices, run the sharded W4A8 MoE through the public API
+(`jax_moeq.sharding`) with all-to-all and replicated token dispatch, and compare with the
+single-device op computed in each process.
+
+Tolerances as in tests/test_sharding.py: all-to-all EP is bit-identical to the op; replicated EP
+agrees to float32 reassociation (1e-6); with TP, both dispatches sum the same float32 partials of
+the slices (1e-6 between them). Every process is bounded in time and killed if any fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import jax_moeq
+
+_WORKER = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    port, n_proc, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n_proc,
+                               process_id=rank, initialization_timeout=120)
+    import jax.numpy as jnp, numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_moeq.ops import w4a8_cpu as op
+    from jax_moeq import sharding as sh
+
+    devices = jax.devices()
+    assert jax.process_count() == n_proc and len(devices) == n_proc * len(jax.local_devices())
+    r = np.random.default_rng(5)  # the same problem in every process
+    E, H, I, T, K, g = 8, 128, 128, 13, 2, 32
+    q13 = r.integers(-8, 8, (E, 2 * I, H)).astype(np.int8)
+    q2 = r.integers(-8, 8, (E, H, I)).astype(np.int8)
+    s13 = r.uniform(.01, .05, (E, 2 * I, H // g)).astype(np.float32)
+    s2 = r.uniform(.01, .05, (E, H, I // g)).astype(np.float32)
+    b13 = r.normal(size=(E, 2 * I)).astype(np.float32)
+    b2 = r.normal(size=(E, H)).astype(np.float32)
+    x = r.normal(size=(T, H)).astype(np.float32)
+    ids = np.stack([r.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    w = r.uniform(0.1, 1, (T, K)).astype(np.float32)
+
+    # The single-device op, in this process.
+    local = jax.local_devices()[0]
+    with jax.default_device(local):
+      w13p, w2p, *_ = op.convert_to_w4a8_int8_moe_format(q13, q2, jnp.asarray(s13, jnp.bfloat16),
+                                                          jnp.asarray(s2, jnp.bfloat16), g, b13, b2)
+      want = np.asarray(op.dynamic_4bit_int_moe(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w),
+                                                w13p, w2p, H, I, 2 * I, g))
+
+    def rel(a, b):
+      return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+    run = jax.jit(sh.w4a8_moe_sharded, static_argnames=("capacity_factor", "dispatch"))
+    n = len(devices)
+    for ep, tp in ((n, 1), (n // 2, 2)):
+      mesh = sh.make_mesh(ep, tp, devices=devices)
+      sw = sh.shard_w4a8_weights(q13, q2, jnp.asarray(s13, jnp.bfloat16),
+                                 jnp.asarray(s2, jnp.bfloat16), g, mesh=mesh,
+                                 tensor_axis="tp" if tp > 1 else None, w13_bias=b13, w2_bias=b2)
+      rep = NamedSharding(mesh, P())
+      args = [jax.make_array_from_callback(a.shape, rep, lambda i, a=a: a[i]) for a in (x, ids, w)]
+      got = {}
+      for dispatch, cap in (("replicated", 2.0), ("all_to_all", 2.0), ("all_to_all", 0.25)):
+        out = run(*args, sw, capacity_factor=cap, dispatch=dispatch)
+        got[dispatch, cap] = np.asarray(multihost_utils.process_allgather(out, tiled=True))
+      if tp == 1:
+        np.testing.assert_array_equal(got["all_to_all", 2.0], want)
+        np.testing.assert_array_equal(got["all_to_all", 0.25], want)
+        assert rel(got["replicated", 2.0], want) <= 1e-6
+      else:
+        assert rel(got["all_to_all", 2.0], got["replicated", 2.0]) <= 1e-6
+        np.testing.assert_array_equal(got["all_to_all", 0.25], got["all_to_all", 2.0])
+    print(f"ok {rank}", flush=True)
+""")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("n_proc,devices_per_proc", [(2, 2), (4, 1), (4, 2)])
+def test_sharded_moe_across_processes(n_proc, devices_per_proc, tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      f" --xla_force_host_platform_device_count={devices_per_proc}").strip()
+  # The workers import the same jax_moeq as this process, from outside the repository.
+  package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_moeq.__file__)))
+  env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(n_proc), str(rank)],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for rank in range(n_proc)]
+  deadline = time.monotonic() + 480
+  try:
+    while any(p.poll() is None for p in procs):
+      if time.monotonic() > deadline:
+        raise AssertionError(f"the {n_proc} processes did not finish within 480 s")
+      failed = [p for p in procs if p.poll() not in (None, 0)]
+      if failed:  # one failed: the others would wait for it at the next collective
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    outputs = [p.communicate() for p in procs]
+  for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0 and f"ok {rank}" in out, (
+        f"process {rank} of {n_proc}: rc={p.returncode}\n{out[-2000:]}\n{err[-4000:]}")
