@@ -43,3 +43,20 @@ def test_cpu_bench_runs_on_a_tiny_shape(tmp_path):
   report = (tmp_path / "report.md").read_text()
   assert "### tiny (E=8, top-2, H=256, I=256" in report and "DRAM read bandwidth" in report
   assert "check at T=3: kernel vs jnp reference" in report
+
+
+def test_ep_dispatch_bench_runs_on_a_tiny_layer(tmp_path):
+  bench = BENCH.parent / "ep_dispatch_bench.py"
+  cmd = [sys.executable, str(bench), "--devices", "4", "--tokens", "3,16", "--experts", "8",
+         "--top-k", "2", "--hidden", "128", "--intermediate", "128", "--group-size", "32",
+         "--target-seconds", "0.05"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False,
+                       cwd=tmp_path)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [line for line in out.stdout.splitlines() if line.startswith("| 3 ") or
+          line.startswith("| 16 ")]
+  assert len(rows) == 2, out.stdout
+  for row in rows:
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0, row
