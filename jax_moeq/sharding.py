@@ -279,7 +279,8 @@ def _a2a_pair_outputs(run: Callable[[Array, Array, Array], Array], x: Array, top
   on the shard holding its expert; y is 0 for pairs whose id is outside [0, E).
 
   `run(rows [R, H], local_ids [R, 1], weights [R, 1]) -> [R, H]` computes one-slot rows on this
-  shard's experts (local id `local_experts` is the null expert, which returns 0).
+  shard's experts; an empty slot has id -1 and must give 0 (the kernels skip ids outside
+  [0, E) under jit).
   """
   t, k = topk_ids.shape
   h = x.shape[-1]
@@ -309,7 +310,8 @@ def _a2a_pair_outputs(run: Callable[[Array, Array, Array], Array], x: Array, top
     in_round = valid & (pos >= r * capacity) & (pos < (r + 1) * capacity)
     slot = jnp.where(in_round, dest * capacity + pos - r * capacity, slots)
     send_x = jnp.zeros((slots, h), x.dtype).at[slot].set(x[token], mode="drop")
-    send_id = jnp.full((slots,), local_experts, jnp.int32).at[slot].set(local, mode="drop")
+    # Empty slots carry id -1: the kernels skip ids outside [0, E) (no work, output 0).
+    send_id = jnp.full((slots,), -1, jnp.int32).at[slot].set(local, mode="drop")
     send_w = jnp.zeros((slots,), jnp.float32).at[slot].set(weights, mode="drop")
     got = run(exchange(send_x), exchange(send_id)[:, None], exchange(send_w)[:, None])
     if tensor_axis is not None:  # partial GEMM2 outputs of the tensor-parallel slices
