@@ -519,6 +519,19 @@ def plot(results: dict[str, list[Row]], path: str, title: str) -> None:
   progress(f"plot written to {path}")
 
 
+def _without_option(argv: list[str], name: str) -> list[str]:
+  """argv without `name VALUE` / `name=VALUE` (other arguments kept, whatever their values)."""
+  out, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+    elif arg == name:
+      skip = True
+    elif not arg.startswith(name + "="):
+      out.append(arg)
+  return out
+
+
 def thread_scaling(args, argv: list[str]) -> str:
   """One process per thread count (XLA's pool is sized at start), each printing JSON rows."""
   cores = _timing.usable_cores()
@@ -527,8 +540,7 @@ def thread_scaling(args, argv: list[str]) -> str:
   rows, dram = [], []
   for n in counts:
     progress(f"thread scaling: {n} thread(s)")
-    child = [a for a in argv if not a.startswith("--thread-scaling") and a not in
-             (",".join(map(str, args.thread_scaling)),)]
+    child = _without_option(argv, "--thread-scaling")
     cmd = [sys.executable, os.path.abspath(__file__), *child, "--threads", str(n), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:

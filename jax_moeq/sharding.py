@@ -254,6 +254,7 @@ def _combine(y: Array, out_dtype, axes: tuple[str, ...]) -> Array:
 
 # ------------------------------------------------------------------ all-to-all dispatch
 DISPATCHES = ("replicated", "all_to_all")
+_A2A_DEFAULT_CAPACITY = 2.0  # capacity_factor=None under all-to-all dispatch
 
 
 def _check_dispatch(dispatch: str, expert_axis: str | None) -> None:
@@ -391,7 +392,7 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
   if dispatch == "all_to_all":
     def a2a_body(x, ids, w, w13, w2):
       return _a2a_apply(kernel(w13, w2), x, ids.astype(jnp.int32), w, local_e,
-                        weights.expert_axis, n_ep, capacity_factor or 2.0, weights.tensor_axis)
+                        weights.expert_axis, n_ep, _A2A_DEFAULT_CAPACITY if capacity_factor is None else capacity_factor, weights.tensor_axis)
 
     t, (x, topk_ids, topk_weights) = _pad_tokens(n_ep, x, topk_ids, topk_weights)
     tokens = P(weights.expert_axis)
@@ -508,7 +509,7 @@ def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
       local = {n: a[0] for n, a in zip(weights.names, arrays)}
       run = lambda x, ids, w: expert_fn(x, ids, w, **local)
       return _a2a_apply(run, x, ids.astype(jnp.int32), w, local_e, weights.expert_axis, n_ep,
-                        capacity_factor or 2.0, weights.tensor_axis)
+                        _A2A_DEFAULT_CAPACITY if capacity_factor is None else capacity_factor, weights.tensor_axis)
 
     t, (x, topk_ids, topk_weights) = _pad_tokens(n_ep, x, topk_ids, topk_weights)
     tokens = P(weights.expert_axis)
