@@ -2,16 +2,32 @@
 
 Everything here is written independently of jax_moeq (numpy only, float32 where the op is
 float32), so that the tests compare two implementations; `cuda_skip_reason` is the GPU test
-files' module-level skip.
+files' module-level skip; `load_example` imports a script of examples/.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 F32 = np.float32
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str):
+  """examples/<name>.py as a module (loaded once per process)."""
+  module_name = f"example_{name}"
+  if module_name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+  return sys.modules[module_name]
 
 
 def cuda_skip_reason(library_available) -> str | None:

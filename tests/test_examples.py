@@ -1,29 +1,18 @@
 """The examples, run in-process with tiny settings."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
+import _helpers
 import numpy as np
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY_QWEN3_MOE = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2",
                   "--head-dim", "32", "--experts", "8", "--top-k", "2", "--moe-intermediate", "64",
                   "--vocab", "256"]
 
 
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_generate_qwen3_moe_tiny(tmp_path, capsys):
-  example = _load("generate_qwen3_moe")
+  example = _helpers.load_example("generate_qwen3_moe")
   out = example.main(TINY_QWEN3_MOE + ["--out", str(tmp_path / "ckpt"), "--batch", "2",
                                        "--prompt-len", "6", "--max-new-tokens", "4",
                                        "--repeats", "1"])
@@ -48,7 +37,7 @@ def test_generate_qwen3_moe_tiny(tmp_path, capsys):
 def test_qwen3_moe_checkpoint_layout(tmp_path):
   """The written checkpoint is a valid safetensors file with transformers' Qwen3-MoE names."""
   from jax_moeq.loaders.safetensors_io import read_header, read_tensor
-  example = _load("generate_qwen3_moe")
+  example = _helpers.load_example("generate_qwen3_moe")
   cfg = example.qwen3_moe_config(example._parse_args(TINY_QWEN3_MOE))
   example.write_qwen3_moe_checkpoint(tmp_path, cfg, seed=0)
   infos, metadata = read_header(tmp_path / "model.safetensors")  # validates offsets and coverage
@@ -68,7 +57,7 @@ def test_qwen3_moe_checkpoint_matches_transformers(tmp_path):
   transformers = pytest.importorskip("transformers")
   torch = pytest.importorskip("torch")
   from jax_moeq.loaders.safetensors_io import read_header
-  example = _load("generate_qwen3_moe")
+  example = _helpers.load_example("generate_qwen3_moe")
   cfg = example.qwen3_moe_config(example._parse_args(TINY_QWEN3_MOE))
   example.write_qwen3_moe_checkpoint(tmp_path / "ours", cfg, seed=0)
   model, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -88,7 +77,7 @@ def test_qwen3_moe_checkpoint_matches_transformers(tmp_path):
 @pytest.mark.parametrize("fmt", ["compressed-tensors-w4a8", "gptq", "mxint4"])
 def test_convert_checkpoint_tiny(tmp_path, capsys, fmt):
   pytest.importorskip("safetensors")
-  conv = _load("convert_checkpoint")
+  conv = _helpers.load_example("convert_checkpoint")
   args = ["--out", str(tmp_path / "ckpt"), "--format", fmt, "--layers", "2", "--experts", "4",
           "--hidden", "128", "--intermediate", "128", "--tokens", "3"]
   if fmt != "compressed-tensors-w4a8":

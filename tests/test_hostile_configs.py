@@ -11,15 +11,14 @@ being unpickled.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import os
 import pickle
-import sys
 import time
 from pathlib import Path
 
+import _helpers
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -29,7 +28,6 @@ from hypothesis import strategies as st  # noqa: E402
 from jax_moeq import models  # noqa: E402
 from jax_moeq.loaders import config as qconfig  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Loading this checkpoint takes well under a second; a mutated config that makes the loader
 # loop, allocate or compile what the config claims shows up as many seconds (a hang guard, not a
 # performance bound).
@@ -41,20 +39,10 @@ HOSTILE_VALUES = [None, True, False, -1, 0, 1, 3, 7, 2**31, 2**62, -2**63, 10**3
 REFUSALS = (ValueError, KeyError)
 
 
-def _example():
-  name = "example_generate_qwen3_moe"
-  if name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / "generate_qwen3_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   import argparse
-  example = _example()
+  example = _helpers.load_example("generate_qwen3_moe")
   args = argparse.Namespace(checkpoint_dtype="float32", head_dim=16, hidden=64, moe_intermediate=32,
                             heads=4, top_k=2, layers=2, kv_heads=2, experts=4, vocab=64)
   cfg = example.qwen3_moe_config(args)
