@@ -8,7 +8,7 @@
 #   OUT=/tmp/sanitize_gpu bash scripts/sanitize_gpu.sh
 # Environment:
 #   OUT          report directory (default /tmp/sanitize_gpu)
-#   TOOLS        default "memcheck racecheck synccheck initcheck"
+#   TOOLS        default "memcheck racecheck synccheck initcheck"; "" builds only
 #   PARALLEL     1 (default): the tools run at once, as four processes on the one GPU (each
 #                takes < 1 GB); 0: one after another
 #   TOOL_TIMEOUT seconds per tool (default 450): a tool still running then is stopped and its
@@ -25,7 +25,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sanitize_gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-TOOLS=${TOOLS:-"memcheck racecheck synccheck initcheck"}
+# TOOLS="" runs none (a build only).
+TOOLS=${TOOLS-"memcheck racecheck synccheck initcheck"}
 PARALLEL=${PARALLEL:-1}
 TOOL_TIMEOUT=${TOOL_TIMEOUT:-450}
 start=$(date +%s)
@@ -124,7 +125,9 @@ echo "---- compute-sanitizer summary ($(( $(date +%s) - start )) s in all; repor
 for tool in $TOOLS; do
   rc=$(cat "$OUT/$tool.rc" 2>/dev/null || echo "?")
   secs=$(cat "$OUT/$tool.seconds" 2>/dev/null || echo "?")
-  summary=$(grep -hE "ERROR SUMMARY: [0-9]+ error" "$OUT/$tool.log" 2>/dev/null | tail -n 1 |
+  # racecheck ends in "RACECHECK SUMMARY: N hazards displayed (N errors, ...)", the others in
+  # "ERROR SUMMARY: N errors".
+  summary=$(grep -hE "(ERROR SUMMARY: [0-9]+ error|RACECHECK SUMMARY: [0-9]+ hazard)" "$OUT/$tool.log" 2>/dev/null | tail -n 1 |
             sed -E 's/^=+ *//')
   workload=$(grep -E "^gpu_kernel_variants:" "$OUT/$tool.stdout" 2>/dev/null | tail -n 1)
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
@@ -135,6 +138,6 @@ for tool in $TOOLS; do
   # The innermost named frame of each printed finding, counted: which kernels to look at.
   grep -hE "^=+ +(Device Frame|at) " "$OUT/$tool.log" 2>/dev/null | sed -E 's/^=+ +//; s/\+0x[0-9a-f]+//' |
     sort | uniq -c | sort -rn | head -n 8 | cut -c1-200
-  if [ "$rc" != 0 ] || ! echo "$summary" | grep -qE "ERROR SUMMARY: 0 errors"; then status=1; fi
+  if [ "$rc" != 0 ] || ! echo "$summary" | grep -qE "(ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)"; then status=1; fi
 done
 exit $status
