@@ -14,6 +14,7 @@ from jax_moeq.experts.cpu_int4 import CPUExpertsInt4
 from jax_moeq.experts.reference import ReferenceExpertsW4A8
 from jax_moeq.oracle import base
 from jax_moeq.oracle import w4a8_int8
+from jax_moeq.ops import w4a8_gpu
 from jax_moeq.oracle.base import (
     FusedMoEActivationFormat, MoEActivation, MoEConfig, MoEParallelConfig, RoutingMethodType,
 )
@@ -101,6 +102,8 @@ def test_explicit_cpu_backend_that_does_not_fit_raises_with_the_reason(overrides
                           and "divide" not in m[2] and "ep_size" not in m[2]
                           and "tp_size" not in m[2] and "expert map" not in m[2]])
 def test_auto_falls_back_to_the_reference_and_says_why(overrides, weight_key, phrase, caplog):
+  if overrides.get("platform") == "cuda" and w4a8_gpu.w4a8_gpu_available():
+    pytest.skip("the GPU W4A8 kernel fits this config on this machine (test_w4a8_gpu.py)")
   with caplog.at_level(logging.DEBUG, logger="jax_moeq.oracle"):
     backend, cls = select(config(**overrides), weight_key)
   assert (backend, cls) == (W4A8Int8MoeBackend.REFERENCE, ReferenceExpertsW4A8)
@@ -108,8 +111,9 @@ def test_auto_falls_back_to_the_reference_and_says_why(overrides, weight_key, ph
   assert len(warnings) == 1
   assert "REFERENCE" in warnings[0].message and "no faster backend fits" in warnings[0].message
   if overrides.get("platform") == "cuda":
-    # CPU_INT4 is not even a candidate there: the warning says the platform has no kernel.
-    assert "platform 'cuda'" in warnings[0].message
+    # CPU_INT4 is not even a candidate there; CUDA_W4A8 is, and the warning gives its reason
+    # (no Hopper GPU or no CUDA library on this machine).
+    assert "CUDA_W4A8: " in warnings[0].message
   else:
     assert "CPU_INT4: " in warnings[0].message and phrase in warnings[0].message
     debug = [r.message for r in caplog.records if r.levelno == logging.DEBUG]
@@ -149,7 +153,8 @@ def test_explicit_reference_that_does_not_fit_raises():
 
 def test_unknown_backend_name_lists_the_choices():
   with pytest.raises(ValueError, match=r"moe_backend='marlin' is not supported for W4A8 Int8 MoE"
-                     r"\. Expected one of \['auto', 'cpu', 'cpu_int4', 'reference', 'jnp'\]"):
+                     r"\. Expected one of \['auto', 'cpu', 'cpu_int4', 'cuda', 'cuda_w4a8', 'gpu', "
+                     r"'reference', 'jnp'\]"):
     select(config(moe_backend="marlin"))
   assert w4a8_int8.map_w4a8_int8_backend("cpu") == W4A8Int8MoeBackend.CPU_INT4
   assert w4a8_int8.map_w4a8_int8_backend("jnp") == W4A8Int8MoeBackend.REFERENCE
@@ -194,6 +199,8 @@ def test_priority_backends_by_platform():
   assert w4a8_int8._get_priority_backends(config(platform="cpu")) == [
       W4A8Int8MoeBackend.CPU_INT4, W4A8Int8MoeBackend.REFERENCE]
   assert w4a8_int8._get_priority_backends(config(platform="cuda")) == [
+      W4A8Int8MoeBackend.CUDA_W4A8, W4A8Int8MoeBackend.REFERENCE]
+  assert w4a8_int8._get_priority_backends(config(platform="tpu")) == [
       W4A8Int8MoeBackend.REFERENCE]
   assert w4a8_int8.backend_to_kernel_cls(W4A8Int8MoeBackend.CPU_INT4) == [CPUExpertsInt4]
   assert w4a8_int8.backend_to_kernel_cls(W4A8Int8MoeBackend.REFERENCE) == [ReferenceExpertsW4A8]

@@ -7,6 +7,9 @@ extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCudaInto(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqMxInt4MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqMxInt4MoeCudaInto(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4a8MoeCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4a8MoeCudaInto(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4a8QuantizeRowsCuda(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -15,6 +18,9 @@ const char* kTargetNames[] = {
     "jax_moeq_wna16_moe_cuda_into",
     "jax_moeq_mxint4_moe_cuda",
     "jax_moeq_mxint4_moe_cuda_into",
+    "jax_moeq_w4a8_moe_cuda",
+    "jax_moeq_w4a8_moe_cuda_into",
+    "jax_moeq_w4a8_quantize_rows_cuda",
 };
 
 void* kTargetHandlers[] = {
@@ -22,6 +28,9 @@ void* kTargetHandlers[] = {
     reinterpret_cast<void*>(&JaxMoeqWna16MoeCudaInto),
     reinterpret_cast<void*>(&JaxMoeqMxInt4MoeCuda),
     reinterpret_cast<void*>(&JaxMoeqMxInt4MoeCudaInto),
+    reinterpret_cast<void*>(&JaxMoeqW4a8MoeCuda),
+    reinterpret_cast<void*>(&JaxMoeqW4a8MoeCudaInto),
+    reinterpret_cast<void*>(&JaxMoeqW4a8QuantizeRowsCuda),
 };
 
 static_assert(sizeof(kTargetNames) / sizeof(kTargetNames[0]) ==

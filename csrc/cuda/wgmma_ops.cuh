@@ -107,7 +107,49 @@ __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], const uint32_t (
 #endif
 }
 
+#define JAX_MOEQ_WGMMA_ACC_OPERANDS_S32(d)                                                       \
+  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),             \
+      "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),    \
+      "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), \
+      "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), \
+      "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), \
+      "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), \
+      "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), \
+      "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), \
+      "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), \
+      "+r"(d[63])
+
+// s32 d[64] (+)= A (64 x 32 int8, this warpgroup's registers: warp w holds rows 16w..16w+15,
+// lane (g, t) a[0] = row g, inputs 4t..4t+3 (byte i = input 4t + i), a[1] = row g + 8, same
+// inputs, a[2] / a[3] = rows g / g + 8, inputs 16 + 4t..16 + 4t + 3) x B (32 x 128 int8, K-major
+// from the descriptor: 32 bytes of each token row). accumulate false: d = A x B (a fresh sum).
+// Accumulator layout as WgmmaM64N128K16's.
+__device__ __forceinline__ void WgmmaS8M64N128K32(int32_t (&d)[64], const uint32_t (&a)[4],
+                                                  uint64_t desc_b, bool accumulate) {
+#if JAX_MOEQ_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " JAX_MOEQ_WGMMA_ACC_LIST
+      ", {%64, %65, %66, %67}, %68, p;\n}\n"
+      : JAX_MOEQ_WGMMA_ACC_OPERANDS_S32(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate ? 1 : 0));
+#else
+  (void)d;
+  (void)a;
+  (void)desc_b;
+  (void)accumulate;
+  __trap();
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void FenceAccumulators(int32_t (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
 #undef JAX_MOEQ_WGMMA_ACC_LIST
 #undef JAX_MOEQ_WGMMA_ACC_OPERANDS
+#undef JAX_MOEQ_WGMMA_ACC_OPERANDS_S32
 
 }  // namespace jax_moeq::cuda

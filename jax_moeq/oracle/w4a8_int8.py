@@ -1,8 +1,10 @@
 """Backend oracle of the W4A8 Int8 scheme: int4 weights, dynamic per-token int8 activations.
 
-Backends, in priority order: CPU_INT4 (the fused CPU kernel, platform cpu),
-then REFERENCE (pure jnp, every platform; chosen only when CPU_INT4 does not
-fit, with a warning saying why). See `oracle.base` for the selection rules.
+Backends, in priority order: CPU_INT4 (the fused CPU kernel, platform cpu) or
+CUDA_W4A8 (the fused Hopper kernel on int8 tensor cores, platform cuda, compute
+capability 9.0 only), then REFERENCE (pure jnp, every platform; chosen only when
+no kernel fits, with a warning saying why). See `oracle.base` for the selection
+rules.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import enum
 
 from jax_moeq.experts.cpu_int4 import CPUExpertsInt4
 from jax_moeq.experts.reference import ReferenceExpertsW4A8
+from jax_moeq.experts.w4a8_gpu import W4A8GpuExperts
 from jax_moeq.oracle import base
 from jax_moeq.oracle.base import MoEConfig, MoEQuantConfig, QuantKey
 from jax_moeq.ops.w4a8_cpu import convert_to_w4a8_int8_moe_format
@@ -25,6 +28,7 @@ __all__ = [
 
 class W4A8Int8MoeBackend(enum.Enum):
   CPU_INT4 = "CPU_INT4"
+  CUDA_W4A8 = "CUDA_W4A8"
   REFERENCE = "REFERENCE"
 
 
@@ -32,6 +36,8 @@ def _get_priority_backends(config: MoEConfig) -> list[W4A8Int8MoeBackend]:
   """Backends to try, fastest first, for the config's platform."""
   if config.resolved_platform == "cpu":
     return [W4A8Int8MoeBackend.CPU_INT4, W4A8Int8MoeBackend.REFERENCE]
+  if config.resolved_platform == "cuda":
+    return [W4A8Int8MoeBackend.CUDA_W4A8, W4A8Int8MoeBackend.REFERENCE]
   return [W4A8Int8MoeBackend.REFERENCE]
 
 
@@ -39,6 +45,8 @@ def backend_to_kernel_cls(backend: W4A8Int8MoeBackend) -> list[type]:
   """The experts classes implementing `backend`, in the order they are tried."""
   if backend == W4A8Int8MoeBackend.CPU_INT4:
     return [CPUExpertsInt4]
+  if backend == W4A8Int8MoeBackend.CUDA_W4A8:
+    return [W4A8GpuExperts]
   if backend == W4A8Int8MoeBackend.REFERENCE:
     return [ReferenceExpertsW4A8]
   raise ValueError(f"Unknown {SCHEME_NAME} MoE backend: {backend!r}")
@@ -47,6 +55,9 @@ def backend_to_kernel_cls(backend: W4A8Int8MoeBackend) -> list[type]:
 _BACKEND_NAMES = {
     "cpu": W4A8Int8MoeBackend.CPU_INT4,
     "cpu_int4": W4A8Int8MoeBackend.CPU_INT4,
+    "cuda": W4A8Int8MoeBackend.CUDA_W4A8,
+    "cuda_w4a8": W4A8Int8MoeBackend.CUDA_W4A8,
+    "gpu": W4A8Int8MoeBackend.CUDA_W4A8,
     "reference": W4A8Int8MoeBackend.REFERENCE,
     "jnp": W4A8Int8MoeBackend.REFERENCE,
 }

@@ -1,0 +1,670 @@
+// GPU W4A8 fused MoE (SPEC §3-4) on Hopper int8 tensor cores:
+//   alignment (AlignStandardKernel, shared with WNA16) -> per-row int8 quantization of x
+//   -> GEMM1 (wgmma s8 x s8 -> s32, per-group promotion to f32, bias, activation) -> per-row int8
+//   quantization of the activation -> GEMM2 (same GEMM, f32 rows + bias) -> finalize (rounded
+//   top-k weighting and sum in slot order, as reference.fused_moe_w4a8).
+// No XLA types.
+//
+// GEMM design (W4a8WgmmaKernel). A CTA of two warpgroups computes 128 weight rows x 128 tokens
+// (one expert block of the alignment, block_m 128): warpgroup w owns a 64-row tile (GEMM1: w = 0
+// the gate rows 64 nt.., w = 1 the matching up rows I + 64 nt..; GEMM2: rows 128 nt + 64 w..).
+// The weights are wgmma's A operand from registers, the int8 tokens the B operand from shared
+// memory (128 tokens x 128 inputs per stage, K-major, 128-byte swizzle), as in the WNA16 wgmma
+// GEMM (moe_int4_wgmma.cuh), whose token-tile addressing this reuses byte for byte.
+//  - Int4 -> int8 in registers, not in shared memory: the packed fragment of a lane is its A
+//    registers' bytes with row g in the low and row g + 8 in the high nibble, so
+//    (word << 4) & 0xF0F0F0F0 and word & 0xF0F0F0F0 are the two registers, as int8 values 16 q
+//    (a two's-complement nibble in the high half of a byte): two logic ops per 8 weights, no
+//    shared-memory round trip for widened weights (which would double their shared traffic).
+//    The factor 16 is exact: int32 sums stay below 2^31 (|16 q qa| <= 2^14, K <= 2^16) and it is
+//    folded into the packed scales (sw / 16).
+//  - Group scales: each group's s32 sum is its own wgmma accumulation (the first k-step of a group
+//    overwrites, scale-d = 0); at the group's end the warpgroup waits for its MMAs and adds
+//    sw * float(sum) into f32 accumulators, in group order (float32 across groups, SPEC §3).
+//    Channel-wise scales need no promotion: one s32 sum over K, converted once.
+//    The register budget (64 s32 + 64 f32 accumulators per thread) is why a warpgroup owns one
+//    64 x 128 tile here, not two as in the WNA16 wgmma GEMM.
+//  - Epilogue: y = scale_t * (acc - zp_t * row_corr[n]) + bias[n] (row_corr precomputed at pack
+//    time, as the CPU layout). GEMM1 rounds gate and up to x's dtype, exchanges the up tile through
+//    shared memory, applies the activation and stores act rows; GEMM2 stores f32 rows.
+//  - Pipeline: cp.async multi-stage ring (kW8Stages stages, kW8Ahead chunks ahead), all 256
+//    threads issue their pieces (tokens, weight fragments, scales), one barrier per chunk; up to
+//    kW8InFlight wgmma groups stay in flight between group ends. A warp-specialised TMA pipeline
+//    was not attempted: this form shares the proven WNA16 wgmma structure and its ordering rules.
+#include <algorithm>
+#include <cfloat>
+#include <type_traits>
+
+#include "cuda/moe_int4_gemm.cuh"
+#include "cuda/w4a8_moe.h"
+#include "cuda/wgmma_ops.cuh"
+
+namespace jax_moeq::cuda {
+namespace {
+
+constexpr int kW8BlockM = 128;   // tokens per expert block (wgmma N)
+constexpr int kW8Threads = 256;  // two warpgroups
+constexpr int kW8Chunk = 128;    // inputs per pipeline stage (4 k-steps of 32)
+constexpr int kW8Stages = 5;
+constexpr int kW8Ahead = kW8Stages - 2;  // the stage refilled was read two chunks ago
+constexpr int kW8InFlight = 3;
+constexpr int kW8StageTokens = kW8BlockM * kW8Chunk;        // 16 KB of int8
+constexpr int kW8StageWeights = (kW8Threads / 32) * 1024;   // 16 rows x 128 inputs / 2 per warp
+constexpr int kW8StageScales = kW8Threads * 4 * 8;          // up to 4 groups x float2 per thread
+constexpr int kW8StageBytes = kW8StageTokens + kW8StageWeights + kW8StageScales;  // 32 KB
+constexpr int kW8SmemBytes = kW8Stages * kW8StageBytes + 1024;
+static_assert(kW8StageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
+constexpr int kW8XchStride = kW8BlockM + 4;  // floats per row of GEMM1's up-tile exchange
+static_assert(64 * kW8XchStride * 4 <= kW8Stages * kW8StageBytes, "exchange fits the stages");
+// Largest K: |sum of 16 q qa| <= K * 2^14 must stay below 2^31.
+constexpr int64_t kW8MaxFeatures = 65536;
+
+template <typename T>
+__device__ __forceinline__ float ToFloat(T v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return HalfType<T>::to_float(v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float RoundOut(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return RoundTo<T>(v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreOut(void* base, int64_t index, float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    reinterpret_cast<float*>(base)[index] = v;
+  } else {
+    reinterpret_cast<T*>(base)[index] = HalfType<T>::from_float(v);
+  }
+}
+
+// The activation in float32. f32 activations use expf and IEEE division (the reference's
+// formula, to a few ulps); bf16/fp16 the fast forms of the WNA16 epilogue (their error is far
+// below the rounding to the dtype that follows).
+template <typename T>
+__device__ __forceinline__ float W4a8Activation(int kind, float gate, float up) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (kind == 1) {
+      const float g = fminf(gate, 7.0f);
+      const float u = fminf(fmaxf(up, -7.0f), 7.0f);
+      const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(__fmul_rn(-1.702f, g))));
+      return __fmul_rn(__fadd_rn(u, 1.0f), __fmul_rn(g, sig));
+    }
+    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate)));
+    return __fmul_rn(__fmul_rn(gate, sig), up);
+  } else {
+    return ApplyActivation(kind, gate, up);
+  }
+}
+
+// float(v) for |v| < 2^22 with an integer and a float add (full-rate units) instead of I2F.
+__device__ __forceinline__ float SmallIntToFloat(int32_t v) {
+  return __int_as_float(v + 0x4B400000) - 12582912.0f;
+}
+
+__device__ __forceinline__ void CpAsyncShared8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ float2 LdShared64f(uint32_t a) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
+  return v;
+}
+
+// ------------------------------------------------------------------ activation quantization
+// One CTA per row: a = x[row / in_div] (times row_weights[row], rounded to T, when given), then
+// SPEC §3's rule in float32 with every operation rounded as written (no contraction):
+// rmin/rmax with 0, scale = (rmax - rmin) / 255, inv = 1 / scale, the zero point from the two
+// terms, round half to even, clamp. Rows whose expert (row_experts) is outside [0, experts) are
+// skipped (nothing reads them). Non-finite rows: q = 0, zero point 0, scale NaN (as the reference).
+constexpr int kQuantThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float QuantInput(const T* src, int j, bool weighted, float w) {
+  const float v = ToFloat(src[j]);
+  return weighted ? RoundOut<T>(__fmul_rn(v, w)) : v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    W4a8QuantizeRowsKernel(const T* x, int in_div, const float* row_weights,
+                           const int32_t* row_experts, int experts, int cols, int rows, int8_t* q,
+                           float2* params) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  const int r = blockIdx.x;
+  if (r >= rows) return;
+  if (row_experts) {
+    const int e = row_experts[r];
+    if (e < 0 || e >= experts) return;
+  }
+  const T* src = x + static_cast<int64_t>(r / in_div) * cols;
+  const bool weighted = row_weights != nullptr;
+  const float w = weighted ? row_weights[r] : 1.0f;
+  float mn = 0.0f, mx = 0.0f;
+  int bad = 0;
+  for (int j = threadIdx.x; j < cols; j += kQuantThreads) {
+    const float v = QuantInput(src, j, weighted, w);
+    mn = fminf(mn, v);
+    mx = fmaxf(mx, v);
+    bad |= !isfinite(v);
+  }
+  __shared__ float s_mn[kQuantThreads / 32], s_mx[kQuantThreads / 32];
+  __shared__ int s_bad[kQuantThreads / 32];
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, d));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, d);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    s_mn[warp] = mn;
+    s_mx[warp] = mx;
+    s_bad[warp] = bad;
+  }
+  __syncthreads();
+  mn = s_mn[0];
+  mx = s_mx[0];
+  bad = s_bad[0];
+#pragma unroll
+  for (int i = 1; i < kQuantThreads / 32; ++i) {
+    mn = fminf(mn, s_mn[i]);
+    mx = fmaxf(mx, s_mx[i]);
+    bad |= s_bad[i];
+  }
+  float scale = __fdiv_rn(__fsub_rn(mx, mn), 255.0f);
+  float inv = __fdiv_rn(1.0f, scale);
+  const bool empty = (mx == mn) || !(inv <= FLT_MAX);
+  if (empty) {
+    scale = 0.0f;
+    inv = 0.0f;
+  }
+  const float min_term = __fadd_rn(-128.0f, __fmul_rn(mn, inv));
+  const float max_term = __fadd_rn(127.0f, __fmul_rn(mx, inv));
+  float zpf = __fadd_rn(min_term, max_term) > 0.0f ? __fsub_rn(-128.0f, __fmul_rn(mn, inv))
+                                                   : __fsub_rn(127.0f, __fmul_rn(mx, inv));
+  zpf = fminf(fmaxf(zpf, -128.0f), 127.0f);
+  int zp = empty ? 0 : __float2int_rn(zpf);
+  if (bad) {
+    zp = 0;
+    scale = __int_as_float(0x7fc00000);
+  }
+  int8_t* dst = q + static_cast<int64_t>(r) * cols;
+  for (int j = threadIdx.x; j < cols; j += kQuantThreads) {
+    int qa = 0;
+    if (!empty && !bad) {
+      const float v = QuantInput(src, j, weighted, w);
+      qa = min(127, max(-128, __float2int_rn(__fmul_rn(v, inv)) + zp));
+    }
+    dst[j] = static_cast<int8_t>(qa);
+  }
+  if (threadIdx.x == 0) params[r] = make_float2(scale, static_cast<float>(zp));
+}
+
+// ------------------------------------------------------------------ the GEMM
+struct W4a8GemmArgs {
+  const int8_t* xq = nullptr;      // quantized input rows, row stride k
+  int in_div = 1;                  // quantized row = pair id / in_div
+  const float2* xparams = nullptr; // per quantized row: (scale, zero point)
+  const int32_t* sorted_ids = nullptr;
+  const int32_t* expert_ids = nullptr;
+  const int32_t* num_post_padded = nullptr;
+  int num_rows = 0;                // ids >= num_rows are padding
+  bool blk_on_x = true;            // blockIdx.x = expert block (else blockIdx.y)
+  const uint4* w = nullptr;
+  const float* scales = nullptr;
+  const float* row_corr = nullptr;
+  const float* bias = nullptr;     // [E][n] or null
+  int n = 0, k = 0, groups = 1;
+  int activation = 0;
+  void* act = nullptr;             // GEMM1: [rows][n / 2] in T
+  float* ws = nullptr;             // GEMM2: [rows][n] f32
+};
+
+// kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales.
+template <typename T, int kGroupSteps, bool kGemm1>
+__global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  const int blk = p.blk_on_x ? blockIdx.x : blockIdx.y;
+  const int n_tile = p.blk_on_x ? blockIdx.y : blockIdx.x;
+  // Whole-CTA exits only (every thread takes part in the barriers below).
+  if (blk * kW8BlockM >= __ldg(p.num_post_padded)) return;
+  if (__ldg(p.sorted_ids + blk * kW8BlockM) >= p.num_rows) return;  // empty block
+  const int expert = __ldg(p.expert_ids + blk);
+  if (expert < 0) return;
+
+  extern __shared__ __align__(1024) uint8_t w8_smem_raw[];
+  __shared__ int tok_id[kW8BlockM];
+  __shared__ float2 tok_param[kW8BlockM];
+  const uint32_t smem = (SharedAddress(w8_smem_raw) + 1023u) & ~1023u;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2;
+  const int n_sub = p.n / 16;
+  int sub;
+  bool tile_ok = true;
+  if constexpr (kGemm1) {
+    sub = (wg ? n_sub / 2 : 0) + 4 * n_tile + (warp & 3);
+  } else {
+    // A second tile past N (N % 128 == 64) computes on subtile 0's weights and stores nothing:
+    // branching around the MMAs would serialize them.
+    tile_ok = 8 * n_tile + 4 * wg < n_sub;
+    sub = tile_ok ? 8 * n_tile + 4 * wg + (warp & 3) : (warp & 3);
+  }
+  if (tid < kW8BlockM) {
+    const int id = __ldg(p.sorted_ids + blk * kW8BlockM + tid);
+    tok_id[tid] = id;
+    tok_param[tid] = id < p.num_rows ? p.xparams[id / p.in_div] : make_float2(0.0f, 0.0f);
+  }
+  const int chunks = p.k / kW8Chunk;
+
+  // Token pieces: rows (tid / 8) + 32 i, 16-byte piece tid % 8 (16 inputs), swizzled.
+  const int piece = tid & 7;
+  const int row_in_atom = (tid >> 3) & 7;
+  const uint32_t tile_off = (tid >> 6) * 1024 + row_in_atom * 128 + ((piece ^ row_in_atom) << 4);
+  const int8_t* xcur[4];
+  uint32_t xbytes[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int id = __ldg(p.sorted_ids + blk * kW8BlockM + (tid >> 3) + 32 * i);
+    const bool ok = id < p.num_rows;
+    xbytes[i] = ok ? 16 : 0;
+    xcur[i] = p.xq + (ok ? static_cast<int64_t>(id / p.in_div) * p.k : 0) + 16 * piece;
+  }
+  const uint4* wcur = p.w + (static_cast<int64_t>(expert) * n_sub + sub) * chunks * 64 + lane * 2;
+  const float* sbase =
+      p.scales + (static_cast<int64_t>(expert) * n_sub + sub) * p.groups * 16 + 2 * g;
+  const uint32_t weight_off = kW8StageTokens + (warp * 32 + lane) * 32;
+  const uint32_t scale_off = kW8StageTokens + kW8StageWeights + tid * 32;
+  constexpr int kGroupsPerChunk = kGroupSteps > 0 ? 4 / kGroupSteps : 0;
+  auto issue = [&](int kc, uint32_t st) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      CpAsyncSharedOrZero(st + tile_off + 4096 * i, xcur[i], xbytes[i]);
+      xcur[i] += kW8Chunk;
+    }
+    CpAsyncSharedStream(st + weight_off, wcur);
+    CpAsyncSharedStream(st + weight_off + 16, wcur + 1);
+    wcur += 64;
+#pragma unroll
+    for (int q = 0; q < kGroupsPerChunk; ++q) {
+      CpAsyncShared8(st + scale_off + 8 * q, sbase + (kc * kGroupsPerChunk + q) * 16);
+    }
+  };
+
+  uint32_t write_stage = smem;
+#pragma unroll
+  for (int s = 0; s < kW8Ahead; ++s) {
+    if (s < chunks) issue(s, write_stage);
+    CpAsyncCommit();
+    write_stage += kW8StageBytes;
+  }
+  const uint32_t last_stage = smem + (kW8Stages - 1) * kW8StageBytes;
+  uint32_t read_stage = smem;
+
+  float accf[64];
+  int32_t acci[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    accf[i] = 0.0f;
+    acci[i] = 0;
+  }
+  uint32_t a[4][4];  // [k-step][register]
+
+  for (int c = 0; c < chunks; ++c) {
+    CpAsyncWait<kW8Ahead - 1>();  // this thread's pieces of chunk c have landed
+    FenceProxyAsync();            // ... and are visible to the tensor cores
+    __syncthreads();  // every thread's pieces landed; chunk c - 2's MMAs are done everywhere
+    if (c + kW8Ahead < chunks) issue(c + kW8Ahead, write_stage);
+    CpAsyncCommit();
+    write_stage = write_stage == last_stage ? smem : write_stage + kW8StageBytes;
+    const uint32_t st = read_stage;
+    read_stage = read_stage == last_stage ? smem : read_stage + kW8StageBytes;
+    const uint4 w0 = LdShared128(st + weight_off);
+    const uint4 w1 = LdShared128(st + weight_off + 16);
+    const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    float2 sc[kGroupsPerChunk > 0 ? kGroupsPerChunk : 1];
+#pragma unroll
+    for (int q = 0; q < kGroupsPerChunk; ++q) sc[q] = LdShared64f(st + scale_off + 8 * q);
+    const uint64_t desc = SmemDescSwizzle128(st);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      a[s][0] = (words[2 * s] << 4) & 0xF0F0F0F0u;
+      a[s][1] = words[2 * s] & 0xF0F0F0F0u;
+      a[s][2] = (words[2 * s + 1] << 4) & 0xF0F0F0F0u;
+      a[s][3] = words[2 * s + 1] & 0xF0F0F0F0u;
+      WgmmaFence();
+      const bool accumulate = kGroupSteps > 0 ? (s % kGroupSteps) != 0 : (c > 0 || s > 0);
+      WgmmaS8M64N128K32(acci, a[s], desc + 2 * s, accumulate);  // + 32 bytes per k-step
+      WgmmaCommit();
+      if constexpr (kGroupSteps > 0) {
+        if ((s + 1) % kGroupSteps == 0) {
+          WgmmaWait<0>();
+          FenceAccumulators(acci);
+          const float2 sp = sc[s / kGroupSteps];
+#pragma unroll
+          for (int i = 0; i < 64; ++i) {
+            accf[i] = fmaf((i & 2) ? sp.y : sp.x, SmallIntToFloat(acci[i]), accf[i]);
+          }
+          FenceAccumulators(acci);
+        } else {
+          WgmmaWait<kW8InFlight>();
+        }
+      } else {
+        WgmmaWait<kW8InFlight>();
+      }
+    }
+  }
+  WgmmaWait<0>();
+  FenceAccumulators(acci);
+  if constexpr (kGroupSteps == 0) {
+    const float2 sp = *reinterpret_cast<const float2*>(sbase);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) accf[i] = ((i & 2) ? sp.y : sp.x) * __int2float_rn(acci[i]);
+  }
+
+  // Epilogue. Accumulator i = 4 j + c: row g + 8 (c >> 1) of the warp's subtile, token column
+  // 8 j + 2 t + (c & 1) of the block.
+  CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
+  __syncthreads();   // every warp has read its last stage (and tok_* are written)
+  const int64_t row_base = static_cast<int64_t>(expert) * p.n;
+  float rc[2], bias[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = sub * 16 + g + 8 * h;
+    rc[h] = __ldg(p.row_corr + row_base + n);
+    bias[h] = p.bias ? __ldg(p.bias + row_base + n) : 0.0f;
+  }
+  auto output = [&](int i) {
+    const int h = (i >> 1) & 1;
+    const float2 tp = tok_param[8 * (i >> 2) + 2 * t + (i & 1)];
+    return (accf[i] - tp.y * rc[h]) * tp.x + bias[h];
+  };
+  if constexpr (kGemm1) {
+    float* xch = reinterpret_cast<float*>(w8_smem_raw + (smem - SharedAddress(w8_smem_raw)));
+    const int local_row = 16 * (warp & 3) + g;
+    if (wg == 1) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        const int col = 8 * (i >> 2) + 2 * t + (i & 1);
+        xch[(local_row + 8 * ((i >> 1) & 1)) * kW8XchStride + col] = RoundOut<T>(output(i));
+      }
+    }
+    __syncthreads();
+    if (wg == 0) {
+      const int half_n = p.n / 2;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        const int col = 8 * (i >> 2) + 2 * t + (i & 1);
+        const int id = tok_id[col];
+        if (id >= p.num_rows) continue;
+        const int h = (i >> 1) & 1;
+        const float up = xch[(local_row + 8 * h) * kW8XchStride + col];
+        const float gate = RoundOut<T>(output(i));
+        const float y = RoundOut<T>(W4a8Activation<T>(p.activation, gate, up));
+        StoreOut<T>(p.act, static_cast<int64_t>(id) * half_n + sub * 16 + g + 8 * h, y);
+      }
+    }
+  } else {
+    if (!tile_ok) return;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int col = 8 * (i >> 2) + 2 * t + (i & 1);
+      const int id = tok_id[col];
+      if (id >= p.num_rows) continue;
+      p.ws[static_cast<int64_t>(id) * p.n + sub * 16 + g + 8 * ((i >> 1) & 1)] = output(i);
+    }
+  }
+}
+
+template <typename T, bool kGemm1>
+std::string LaunchW4a8Gemm(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
+  const int steps = args.groups == 1 ? 0 : (args.k / args.groups) / 32;
+  auto launch = [&](auto kernel) {
+    // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's.
+    static SmemOptInTable opted_in;
+    (void)EnsureDynamicSmem(opted_in, kernel, kW8SmemBytes);
+    LaunchAfterPrior(kernel, grid, dim3(kW8Threads), kW8SmemBytes, stream, args);
+  };
+  switch (steps) {
+    case 0: launch(W4a8WgmmaKernel<T, 0, kGemm1>); break;
+    case 1: launch(W4a8WgmmaKernel<T, 1, kGemm1>); break;
+    case 2: launch(W4a8WgmmaKernel<T, 2, kGemm1>); break;
+    case 4: launch(W4a8WgmmaKernel<T, 4, kGemm1>); break;
+    default: return "unsupported group size " + std::to_string(args.k / args.groups);
+  }
+  return "";
+}
+
+// ------------------------------------------------------------------ finalize
+// out[t][n] = sum over slots k in order, from 0, each step rounded to T, of v = round(ws2 row)
+// (bias included), times topk_weights[t][k] and rounded again unless the weight was applied on
+// the input; pairs whose expert is outside [0, experts) contribute nothing. This is the W4A8
+// reference's rounding (reference._combine_rounded), which differs from FinalizeTokenColumn's
+// (WNA16: one f32 sum, one rounding), so the WNA16 finalize is not reused here.
+template <typename T>
+__global__ void W4a8FinalizeKernel(const float* ws, const int32_t* topk_ids,
+                                   const float* topk_weights, int top_k, int hidden, int tokens,
+                                   int experts, bool weight_on_input, void* out) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  const int t = blockIdx.x;
+  const int n = blockIdx.y * blockDim.x + threadIdx.x;
+  if (t >= tokens || n >= hidden) return;
+  float sum = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    const int pair = t * top_k + k;
+    const int e = __ldg(topk_ids + pair);
+    if (e < 0 || e >= experts) continue;
+    float v = RoundOut<T>(__ldcg(ws + static_cast<int64_t>(pair) * hidden + n));
+    if (!weight_on_input) v = RoundOut<T>(__fmul_rn(v, __ldg(topk_weights + pair)));
+    sum = RoundOut<T>(__fadd_rn(sum, v));
+  }
+  StoreOut<T>(out, static_cast<int64_t>(t) * hidden + n, sum);
+}
+
+std::string CudaError(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return "";
+  return std::string(what) + ": " + cudaGetErrorString(err);
+}
+
+template <typename T>
+std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
+  const int64_t rows = W4a8MoeRows(p);
+  const int64_t in_rows = W4a8MoeInputRows(p);
+  const int64_t max_padded = W4a8MoeMaxPadded(p);
+  const int64_t max_blocks = W4a8MoeMaxBlocks(p);
+  const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
+  const int E = static_cast<int>(p.experts), K = static_cast<int>(p.top_k);
+
+  // 1. Token-to-expert alignment in blocks of 128 (the WNA16 launcher's kernel; no workspace to
+  // zero: nothing here splits K).
+  AlignStandardKernel<<<1, 1024, 2 * E * sizeof(int32_t), stream>>>(
+      p.topk_ids, static_cast<int>(rows), E, kW8BlockM, static_cast<int>(max_padded),
+      static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded);
+  std::string err = CudaError("alignment kernel");
+  if (!err.empty()) return err;
+
+  // 2. GEMM1's input rows in int8: per token, or per pair (x[t] * w[t][k] rounded) when the
+  // router weight goes on the input.
+  LaunchAfterPrior(W4a8QuantizeRowsKernel<T>, dim3(static_cast<unsigned>(in_rows)),
+                   dim3(kQuantThreads), 0, stream, static_cast<const T*>(p.x),
+                   p.weight_on_input ? K : 1, p.weight_on_input ? p.topk_weights : nullptr,
+                   p.weight_on_input ? p.topk_ids : nullptr, E, H, static_cast<int>(in_rows),
+                   p.qx, reinterpret_cast<float2*>(p.x_params));
+  err = CudaError("input quantization kernel");
+  if (!err.empty()) return err;
+
+  // 3. GEMM1 + activation; expert blocks fastest (a wave covers every token block of an N tile,
+  // whose weights it reads once).
+  W4a8GemmArgs g1;
+  g1.xq = p.qx;
+  g1.in_div = p.weight_on_input ? 1 : K;
+  g1.xparams = reinterpret_cast<const float2*>(p.x_params);
+  g1.sorted_ids = p.sorted_ids;
+  g1.expert_ids = p.expert_ids;
+  g1.num_post_padded = p.num_post_padded;
+  g1.num_rows = static_cast<int>(rows);
+  g1.blk_on_x = true;
+  g1.w = static_cast<const uint4*>(p.w13);
+  g1.scales = p.s13;
+  g1.row_corr = p.rc13;
+  g1.bias = p.has_bias ? p.b13 : nullptr;
+  g1.n = 2 * I;
+  g1.k = H;
+  g1.groups = static_cast<int>(p.groups13);
+  g1.activation = p.activation;
+  g1.act = p.act;
+  err = LaunchW4a8Gemm<T, true>(g1, dim3(static_cast<unsigned>(max_blocks), I / 64), stream);
+  if (!err.empty()) return err;
+  err = CudaError("GEMM1 kernel");
+  if (!err.empty()) return err;
+
+  // 4. The activation rows in int8 (pairs without a valid expert are skipped).
+  LaunchAfterPrior(W4a8QuantizeRowsKernel<T>, dim3(static_cast<unsigned>(rows)),
+                   dim3(kQuantThreads), 0, stream, static_cast<const T*>(p.act), 1,
+                   static_cast<const float*>(nullptr), p.topk_ids, E, I, static_cast<int>(rows),
+                   p.qact, reinterpret_cast<float2*>(p.act_params));
+  err = CudaError("activation quantization kernel");
+  if (!err.empty()) return err;
+
+  // 5. GEMM2 into f32 rows (bias included); N tiles fastest so the CTAs of one token block run
+  // together and read its rows once.
+  W4a8GemmArgs g2 = g1;
+  g2.xq = p.qact;
+  g2.in_div = 1;
+  g2.xparams = reinterpret_cast<const float2*>(p.act_params);
+  g2.w = static_cast<const uint4*>(p.w2);
+  g2.scales = p.s2;
+  g2.row_corr = p.rc2;
+  g2.bias = p.has_bias ? p.b2 : nullptr;
+  g2.n = H;
+  g2.k = I;
+  g2.groups = static_cast<int>(p.groups2);
+  g2.act = nullptr;
+  g2.ws = p.ws2;
+  const unsigned n_tiles2 = static_cast<unsigned>((H + 127) / 128);
+  if (max_blocks <= 65535) {
+    g2.blk_on_x = false;
+    err = LaunchW4a8Gemm<float, false>(g2, dim3(n_tiles2, static_cast<unsigned>(max_blocks)),
+                                       stream);
+  } else {
+    g2.blk_on_x = true;
+    err = LaunchW4a8Gemm<float, false>(g2, dim3(static_cast<unsigned>(max_blocks), n_tiles2),
+                                       stream);
+  }
+  if (!err.empty()) return err;
+  err = CudaError("GEMM2 kernel");
+  if (!err.empty()) return err;
+
+  // 6. Rounded top-k weighting and the sum over slots.
+  LaunchAfterPrior(W4a8FinalizeKernel<T>, dim3(static_cast<unsigned>(p.tokens), (H + 255) / 256),
+                   dim3(256), 0, stream, static_cast<const float*>(p.ws2), p.topk_ids,
+                   p.topk_weights, K, H, static_cast<int>(p.tokens), E, p.weight_on_input,
+                   p.out);
+  return CudaError("finalize kernel");
+}
+
+}  // namespace
+
+int64_t W4a8MoeRows(const W4a8MoeProblem& p) { return p.tokens * p.top_k; }
+
+int64_t W4a8MoeInputRows(const W4a8MoeProblem& p) {
+  return p.weight_on_input ? p.tokens * p.top_k : p.tokens;
+}
+
+int64_t W4a8MoeMaxPadded(const W4a8MoeProblem& p) {
+  const int64_t bm = kW8BlockM;
+  const int64_t pairs = W4a8MoeRows(p);
+  const int64_t padded = pairs + std::min(pairs, p.experts) * (bm - 1);
+  return std::max<int64_t>(bm, (padded + bm - 1) / bm * bm);
+}
+
+int64_t W4a8MoeMaxBlocks(const W4a8MoeProblem& p) { return W4a8MoeMaxPadded(p) / kW8BlockM; }
+
+namespace {
+std::string ValidateGroups(const char* name, int64_t groups, int64_t k) {
+  if (groups <= 0 || k % groups != 0) {
+    return std::string(name) + " scale groups must divide the input size " + std::to_string(k);
+  }
+  const int64_t size = k / groups;
+  if (groups != 1 && size != 32 && size != 64 && size != 128) {
+    return std::string(name) + " group size " + std::to_string(size) +
+           " is not supported: 32, 64, 128 or channel-wise";
+  }
+  return "";
+}
+}  // namespace
+
+std::string ValidateW4a8MoeProblem(const W4a8MoeProblem& p) {
+  if (p.hidden <= 0 || p.hidden % 128 != 0) return "hidden size must be a positive multiple of 128";
+  if (p.intermediate <= 0 || p.intermediate % 128 != 0) {
+    return "intermediate size must be a positive multiple of 128";
+  }
+  if (p.hidden > kW8MaxFeatures || p.intermediate > kW8MaxFeatures) {
+    return "hidden and intermediate sizes must be at most " + std::to_string(kW8MaxFeatures) +
+           " (int32 sums of the int8 products)";
+  }
+  if (p.experts <= 0 || p.experts > 4096) return "number of experts must be in [1, 4096]";
+  if (p.tokens < 0) return "tokens must be >= 0";
+  if (p.top_k < 1) return "top_k must be >= 1";
+  if (std::string err = ValidateGroups("w13", p.groups13, p.hidden); !err.empty()) return err;
+  if (std::string err = ValidateGroups("w2", p.groups2, p.intermediate); !err.empty()) return err;
+  if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
+  if (!MoeRowsFitInt32(W4a8MoeRows(p), std::max<int64_t>(p.hidden, 2 * p.intermediate))) {
+    return "problem too large for 32-bit row indexing: rows (T * K = " +
+           std::to_string(W4a8MoeRows(p)) + ") x max(hidden, 2 * intermediate) must be below 2^31";
+  }
+  return "";
+}
+
+std::string RunW4a8Moe(const W4a8MoeProblem& p, cudaStream_t stream) {
+  std::string err = ValidateW4a8MoeProblem(p);
+  if (!err.empty()) return err;
+  if (W4a8MoeRows(p) == 0) return "";
+  switch (p.dtype) {
+    case W4a8Dtype::kF32: return RunTyped<float>(p, stream);
+    case W4a8Dtype::kBF16: return RunTyped<__nv_bfloat16>(p, stream);
+    default: return RunTyped<__half>(p, stream);
+  }
+}
+
+std::string RunW4a8QuantizeRows(W4a8Dtype dtype, const void* x, int64_t rows, int64_t cols,
+                                int8_t* q, float* params, cudaStream_t stream) {
+  if (rows < 0 || cols <= 0 || rows >= (int64_t{1} << 31) || cols > (int64_t{1} << 30) ||
+      !MoeRowsFitInt32(rows, cols)) {
+    return "rows x cols out of range (rows * cols must be below 2^31)";
+  }
+  if (rows == 0) return "";
+  auto launch = [&](auto kernel, auto typed) {
+    using P = decltype(typed);
+    kernel<<<static_cast<unsigned>(rows), kQuantThreads, 0, stream>>>(
+        static_cast<P>(x), 1, nullptr, nullptr, 0, static_cast<int>(cols),
+        static_cast<int>(rows), q, reinterpret_cast<float2*>(params));
+  };
+  switch (dtype) {
+    case W4a8Dtype::kF32:
+      launch(W4a8QuantizeRowsKernel<float>, static_cast<const float*>(nullptr));
+      break;
+    case W4a8Dtype::kBF16:
+      launch(W4a8QuantizeRowsKernel<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(nullptr));
+      break;
+    default:
+      launch(W4a8QuantizeRowsKernel<__half>, static_cast<const __half*>(nullptr));
+  }
+  return CudaError("quantization kernel");
+}
+
+}  // namespace jax_moeq::cuda
