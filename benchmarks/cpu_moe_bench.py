@@ -365,6 +365,7 @@ class Row:
   xla_s: float | None = None
   xla_name: str | None = None
   load: float = 0.0
+  isa_s: dict[str, float] = dataclasses.field(default_factory=dict)  # --isas: path -> median s
 
 
 def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
@@ -412,6 +413,10 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
     # Call j runs layer j % layers on routing j % ring: fresh weights and routing every call.
     pick = lambda j: ring[j % len(ring)]
     calls = [lambda j: ours(x, pick(j)[0], pick(j)[1], *packed[j % layers])]
+    # Other kernel paths, each call under its JAX_MOEQ_CPU_ISA (read by the handler per call).
+    for isa in args.isas[1:]:
+      calls.append(lambda j, isa=isa: _with_isa(isa, lambda: ours(x, pick(j)[0], pick(j)[1],
+                                                                   *packed[j % layers])))
     if sessions:
       feeds = [{"input": x32, "router_probs": r[2]} for r in ring]
       calls.append(lambda j: sessions[j % layers].run(None, feeds[j % len(feeds)]))
@@ -423,8 +428,15 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
     gbps = hit * expert_bytes / seconds / 1e9
     row = Row(tokens, seconds, min(times[0]), len(times[0]), gbps, gbps / dram_gbps,
               int8_ops(shape, tokens) / seconds / 1e9, load=load)
+    for c, isa in enumerate(args.isas[1:], start=1):
+      row.isa_s[isa] = float(np.median(times[c]))
     if sessions:
-      row.ort_s = float(np.median(times[1]))
+      row.ort_s = float(np.median(times[len(args.isas[1:]) + 1]))
+    if args.time_split and tokens in args.time_split:
+      notes.append(f"T={tokens}: " + time_split(lambda j: ours(x, pick(j)[0], pick(j)[1],
+                                                               *packed[j % layers]),
+                                                 calls=max(50, 4 * layers),
+                                                 threads=args.threads_used))
     progress(f"{shape.name}: T={tokens} ours {seconds * 1e3:.2f} ms ({len(times[0])} calls), "
              f"{gbps:.1f} GB/s ({100 * row.dram_fraction:.0f} % of DRAM), {row.gops:.0f} GOP/s"
              + (f"; ORT {row.ort_s * 1e3:.2f} ms" if row.ort_s else ""))
@@ -453,15 +465,60 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
   for e in stacks:
     e.drop()
   header = ["T", "load", "ours ms", "ours best ms", "weights GB/s", "% DRAM", "int8 GOP/s",
+            *[f"{isa} ms" for isa in args.isas[1:]],
             "ORT QMoE ms", "vs ORT", "jnp ref ms", "vs ref", "bf16 XLA ms", "vs XLA"]
   table = [[r.tokens, f"{r.load:.1f}", fmt_ms(r.ours_s), fmt_ms(r.ours_best_s),
             f"{r.weight_gbps:.1f}", f"{100 * r.dram_fraction:.0f}", f"{r.gops:.0f}",
+            *[f"{fmt_ms(r.isa_s[isa])} ({r.ours_s / r.isa_s[isa]:.2f}x)" for isa in args.isas[1:]],
             fmt_ms(r.ort_s), ratio(r.ort_s, r.ours_s), fmt_ms(r.ref_s), ratio(r.ref_s, r.ours_s),
             None if r.xla_s is None else f"{fmt_ms(r.xla_s)} ({r.xla_name})",
             ratio(r.xla_s, r.ours_s)] for r in rows]
   title = (f"### {shape.name} (E={shape.num_experts}, top-{shape.top_k}, H={h}, I={i}, "
            f"group {g}; {expert_bytes / 1e6:.2f} MB packed per expert)")
   return title + "\n\n" + markdown_table(header, table), notes, rows
+
+
+def _with_isa(isa: str, call):
+  """call() with JAX_MOEQ_CPU_ISA=isa, the variable restored after."""
+  old = os.environ.get("JAX_MOEQ_CPU_ISA")
+  os.environ["JAX_MOEQ_CPU_ISA"] = isa
+  try:
+    return _timing.block(call())
+  finally:
+    if old is None:
+      os.environ.pop("JAX_MOEQ_CPU_ISA", None)
+    else:
+      os.environ["JAX_MOEQ_CPU_ISA"] = old
+
+
+def time_split(call, *, calls: int, threads: int) -> str:
+  """Where one call's time goes, from the kernel's own stage clock (µs per call, mean over
+  `calls` calls): each stage's wall time and, for the parallel ones, the launch-to-first-piece
+  dispatch, the mean busy time per thread, and the last-piece-to-return join. What is left of a
+  stage's wall time is imbalance (threads idle while others finish)."""
+  from jax_moeq import _ffi
+  module = _ffi.cpu_module()
+  _timing.block(call(0))
+  module.w4a8_moe_profile(True)
+  module.w4a8_moe_profile_take()
+  start = time.perf_counter()
+  for j in range(calls):
+    _timing.block(call(j))
+  wall = (time.perf_counter() - start) / calls
+  module.w4a8_moe_profile(False)
+  taken = module.w4a8_moe_profile_take()
+  us = lambda ns: ns / calls / 1e3
+  parts, kernel = [], 0.0
+  for name, t in taken["stages"].items():
+    kernel += us(t["wall_ns"])
+    if t["pieces"]:
+      busy = us(t["busy_ns"]) / threads
+      parts.append(f"{name} {us(t['wall_ns']):.0f} (dispatch {us(t['dispatch_ns']):.0f}, busy/thread "
+                   f"{busy:.0f}, join {us(t['join_ns']):.0f}, {t['pieces'] / calls:.0f} pieces)")
+    else:
+      parts.append(f"{name} {us(t['wall_ns']):.0f}")
+  return (f"time split (µs per call, {threads} threads, {calls} calls): call {wall * 1e6:.0f}, "
+          f"kernel {kernel:.0f}, outside the kernel {wall * 1e6 - kernel:.0f}; " + "; ".join(parts))
 
 
 def machine_lines(threads: int, dram: dict[str, float], llc: tuple[int, int] | None) -> list[str]:
@@ -589,6 +646,13 @@ def main(argv=None) -> int:
   parser.add_argument("--out", help="also write the markdown report to this file")
   parser.add_argument("--plot", help="write a PNG of time and DRAM fraction against T")
   parser.add_argument("--json", action="store_true", help="end with one JSON line of the rows")
+  parser.add_argument("--isas", default="",
+                      help="comma-separated kernel paths (JAX_MOEQ_CPU_ISA names): the first is "
+                           "'ours', the others timed interleaved beside it (e.g. "
+                           "amx_int8,avx512_vnni)")
+  parser.add_argument("--time-split", default="",
+                      help="comma-separated T values whose kernel time is split by stage "
+                           "(dispatch, busy, join; the kernel's stage clock)")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parser.parse_args(argv)
   if args.quick:
@@ -604,6 +668,15 @@ def main(argv=None) -> int:
     if b not in ("ref", "xla", "ort"):
       parser.error(f"unknown baseline {b!r}; expected some of ort,ref,xla")
   args.thread_scaling = [int(n) for n in args.thread_scaling.split(",") if n]
+  args.time_split = [int(t) for t in args.time_split.split(",") if t]
+  args.isas = [i for i in args.isas.split(",") if i]
+  if args.isas:
+    from jax_moeq import _ffi
+    available = list(_ffi.cpu_module().available_isas())
+    for isa in args.isas:
+      if isa not in available:
+        parser.error(f"--isas: {isa!r} is not available here ({available})")
+    os.environ["JAX_MOEQ_CPU_ISA"] = args.isas[0]
   if args.thread_scaling:
     print(thread_scaling(args, argv))
     return 0

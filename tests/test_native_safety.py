@@ -182,6 +182,8 @@ _CPU_SOURCES = {
                                 "-mavx512vnni", "-mfma", "-mf16c"],
     "w4a8_rows_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                             "-mavx512vnni", "-mfma", "-mf16c"],
+    "w4a8_gemm_amx.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                         "-mfma", "-mamx-tile", "-mamx-int8"],
 }
 
 _HARNESS = r"""

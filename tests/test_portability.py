@@ -44,7 +44,7 @@ def test_cpu_kernels_build_for_aarch64():
 _COMMON_SOURCES = ("cpu_isa.cc", "w4a8_moe.cc", "w4a8_gemm_portable.cc", "w4a8_rows_portable.cc")
 _AARCH64_SOURCES = _COMMON_SOURCES + ("w4a8_gemm_neon_dotprod.cc", "w4a8_gemm_neon_i8mm.cc")
 _X86_SOURCES = _COMMON_SOURCES + ("w4a8_gemm_avx2.cc", "w4a8_gemm_avx512vnni.cc",
-                                  "w4a8_rows_avx512.cc")
+                                  "w4a8_rows_avx512.cc", "w4a8_gemm_amx.cc")
 # The library's flags (CMakeLists.txt JAX_MOEQ_CPU_FLAGS at -O2): the NEON paths' bit identity
 # rests on -ffp-contract=off.
 _FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-math-errno", f"-I{ROOT}/csrc"]
@@ -100,8 +100,10 @@ def test_cmake_gives_every_simd_file_its_flags():
   flags = _cmake_file_flags()
   assert flags["w4a8_gemm_neon_dotprod.cc"] == ["-march=armv8.2-a+dotprod"]
   assert flags["w4a8_gemm_neon_i8mm.cc"] == ["-march=armv8.2-a+dotprod+i8mm"]
-  for name in ("w4a8_gemm_avx2.cc", "w4a8_gemm_avx512vnni.cc", "w4a8_rows_avx512.cc"):
+  for name in ("w4a8_gemm_avx2.cc", "w4a8_gemm_avx512vnni.cc", "w4a8_rows_avx512.cc",
+               "w4a8_gemm_amx.cc"):
     assert "-mfma" in flags[name], name
+  assert {"-mamx-tile", "-mamx-int8", "-mavx512vnni"} <= set(flags["w4a8_gemm_amx.cc"])
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +177,11 @@ def test_x86_paths_agree_with_portable(tmp_path):
     assert "avx2" in lines, proc.stdout
   if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
     assert "avx512_vnni" in lines, proc.stdout
+    # AMX also needs the OS to grant the tile state, which /proc/cpuinfo does not show: where
+    # the path was chosen, its bit-exact comparison with VNNI must have run and passed.
+    if "amx_int8" in lines:
+      assert re.search(r"^ok amx_int8 against avx512_vnni: \d+ GEMM cases", proc.stdout, re.M), \
+          proc.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc)")

@@ -51,7 +51,7 @@ from jax_moeq.weights import (
 pytestmark = pytest.mark.skipif(not _ffi.cpu_library_available(),
                                 reason="jax_moeq CPU library not built")
 
-ALL_ISAS = ("portable", "avx2", "avx512_vnni", "neon_i8mm", "neon_dotprod")
+ALL_ISAS = ("portable", "avx2", "avx512_vnni", "amx_int8", "neon_i8mm", "neon_dotprod")
 ISAS = tuple(_ffi.cpu_module().available_isas()) if _ffi.cpu_library_available() else ()
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 GROUP_SIZES = (32, 64, 128, -1)

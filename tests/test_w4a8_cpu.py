@@ -299,6 +299,29 @@ def test_unknown_isa_is_an_error(small, monkeypatch):
         small["w2_packed"], 128, 64, 128, 32))
 
 
+def _cpu_flags() -> set[str]:
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((set(l.split(":", 1)[1].split()) for l in f if l.startswith("flags")), set())
+  except OSError:
+    return set()
+
+
+def test_amx_is_chosen_only_where_usable(small, monkeypatch):
+  """AMX-INT8 comes first where CPUID has it and the OS grants the tile state; forced where it
+  is not usable, the call fails with the reason (it is never executed: that would be SIGILL)."""
+  isas = _ffi.cpu_module().available_isas()
+  if "amx_int8" in isas:
+    assert isas[0] == "amx_int8" and "avx512_vnni" in isas
+    assert {"amx_tile", "amx_int8"} <= _cpu_flags()
+    return
+  monkeypatch.setenv("JAX_MOEQ_CPU_ISA", "amx_int8")
+  with pytest.raises(Exception, match="JAX_MOEQ_CPU_ISA='amx_int8' is not supported by this CPU"):
+    jax.block_until_ready(w4a8_cpu.dynamic_4bit_int_moe(
+        small["x"], small["topk_ids"], small["topk_weights"], small["w13_packed"],
+        small["w2_packed"], 128, 64, 128, 32))
+
+
 def test_packer_rejects_bad_weights():
   q13 = jnp.zeros((2, 64, 128), jnp.int8) + 1
   q2 = jnp.zeros((2, 128, 32), jnp.int8) + 1

@@ -75,6 +75,27 @@ PYBIND11_MODULE(_cpu_ffi, m) {
         []() { return jax_moeq::cpu::kW4A8MoeScratchBudgetBytes; });
   m.def("w4a8_moe_scratch_high_water", &jax_moeq::cpu::W4A8MoeScratchHighWater,
         "The most scratch bytes one chunk of a W4A8 MoE call has held in this process.");
+  m.def("w4a8_moe_profile", &jax_moeq::cpu::W4A8MoeProfileEnable, py::arg("enable"),
+        "Turns the W4A8 MoE op's stage timing on or off (process-wide).");
+  m.def("w4a8_moe_profile_take", []() {
+    namespace cpu = jax_moeq::cpu;
+    const cpu::W4A8MoeStageTimes t = cpu::W4A8MoeProfileTake();
+    py::dict stages;
+    for (int s = 0; s < cpu::kNumStages; ++s) {
+      py::dict d;
+      d["wall_ns"] = t.wall_ns[s];
+      d["dispatch_ns"] = t.dispatch_ns[s];
+      d["busy_ns"] = t.busy_ns[s];
+      d["join_ns"] = t.join_ns[s];
+      d["pieces"] = t.pieces[s];
+      stages[cpu::W4A8MoeStageName(s)] = d;
+    }
+    py::dict out;
+    out["chunks"] = t.chunks;
+    out["stages"] = stages;
+    return out;
+  }, "Stage times (ns, summed) since the last take, then zeroed: {'chunks', 'stages': {name: "
+     "{wall_ns, dispatch_ns, busy_ns, join_ns, pieces}}}.");
   m.def("w4a8_packed_bytes", &jax_moeq::cpu::W4A8PackedBytes, py::arg("n"), py::arg("k"),
         py::arg("group_size"), "Bytes of one expert's packed weights (N outputs, K inputs).");
 }

@@ -2,6 +2,14 @@
 
 #include <cstdlib>
 
+#if defined(JAX_MOEQ_X86)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 // Linux reports AArch64 features in the auxiliary vector; elsewhere the NEON
 // paths are built but not chosen.
 #if defined(JAX_MOEQ_AARCH64) && defined(__linux__)
@@ -20,13 +28,14 @@ namespace jax_moeq::cpu {
 namespace {
 
 // Every path of any build, in the order JAX_MOEQ_CPU_ISA's error message lists them.
-constexpr Isa kAllIsas[] = {Isa::kAvx512Vnni, Isa::kAvx2, Isa::kNeonI8mm, Isa::kNeonDotprod,
+constexpr Isa kAllIsas[] = {Isa::kAmxInt8, Isa::kAvx512Vnni, Isa::kAvx2, Isa::kNeonI8mm, Isa::kNeonDotprod,
                             Isa::kPortable};
 
 }  // namespace
 
 const char* IsaName(Isa isa) {
   switch (isa) {
+    case Isa::kAmxInt8: return "amx_int8";
     case Isa::kAvx512Vnni: return "avx512_vnni";
     case Isa::kAvx2: return "avx2";
     case Isa::kNeonI8mm: return "neon_i8mm";
@@ -48,6 +57,30 @@ bool ParseIsa(const std::string& name, Isa* isa) {
 
 namespace {
 
+#if defined(JAX_MOEQ_X86)
+// AMX-INT8 is usable when CPUID reports AMX-TILE and AMX-INT8, the OS saves the tile state
+// (XCR0 bits 17 and 18), and Linux grants this process the tile data state: it is off until
+// asked for (arch_prctl ARCH_REQ_XCOMP_PERM), and a tile instruction without it is SIGILL.
+// The grant is process-wide, so once (DetectIsas runs once) covers every thread.
+bool AmxInt8Usable() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_tile = (edx >> 24) & 1, amx_int8 = (edx >> 25) & 1;
+  const bool osxsave = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && ((ecx >> 27) & 1);
+  if (!amx_tile || !amx_int8 || !osxsave) return false;
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if (((xcr0_lo >> 17) & 3) != 3) return false;
+#if defined(__linux__)
+  constexpr int kArchReqXcompPerm = 0x1023;  // asm/prctl.h
+  constexpr int kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
 std::string AllIsaNames() {
   std::string names;
   for (Isa isa : kAllIsas) names += std::string(names.empty() ? "" : ", ") + IsaName(isa);
@@ -65,6 +98,8 @@ std::vector<Isa> DetectIsas() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vnni")) {
+    // The AMX path runs GEMMs of few rows on the VNNI code: it needs both.
+    if (AmxInt8Usable()) isas.push_back(Isa::kAmxInt8);
     isas.push_back(Isa::kAvx512Vnni);
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {

@@ -6,16 +6,19 @@
 
 namespace jax_moeq::cpu {
 
-// x86-64: kAvx512Vnni, kAvx2 (JAX_MOEQ_X86). AArch64: kNeonI8mm (SMMLA), kNeonDotprod (SDOT)
+// x86-64: kAmxInt8 (AMX tiles, with the VNNI code for few rows), kAvx512Vnni, kAvx2
+// (JAX_MOEQ_X86). AArch64: kNeonI8mm (SMMLA), kNeonDotprod (SDOT)
 // (JAX_MOEQ_AARCH64). kPortable everywhere.
-enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2, kNeonDotprod = 3, kNeonI8mm = 4 };
+enum class Isa {
+  kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2, kNeonDotprod = 3, kNeonI8mm = 4, kAmxInt8 = 5
+};
 
 const char* IsaName(Isa isa);
 // Paths this machine can run, best first. Always contains kPortable. Detected on
 // the first call (thread-safe), the same list after.
 const std::vector<Isa>& AvailableIsas();
 // The best available path, unless JAX_MOEQ_CPU_ISA names another
-// ("avx512_vnni", "avx2", "neon_i8mm", "neon_dotprod", "portable"). Sets *error
+// ("amx_int8", "avx512_vnni", "avx2", "neon_i8mm", "neon_dotprod", "portable"). Sets *error
 // for an unknown or unavailable name and then returns kPortable. Reads the
 // variable on every call (tests switch paths within a process); no state of its own.
 Isa SelectIsa(std::string* error);

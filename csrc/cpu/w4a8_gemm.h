@@ -33,6 +33,9 @@ void W4A8GemmPortable(const W4A8GemmArgs& args);
 #if defined(JAX_MOEQ_X86)
 void W4A8GemmAvx2(const W4A8GemmArgs& args);
 void W4A8GemmAvx512Vnni(const W4A8GemmArgs& args);
+void W4A8GemmAmx(const W4A8GemmArgs& args);
+// GEMMs of fewer rows run on the VNNI code: a 16-row tile would be mostly padding.
+inline constexpr int64_t kAmxMinRows = 16;
 #endif
 #if defined(JAX_MOEQ_AARCH64)
 void W4A8GemmNeonDotprod(const W4A8GemmArgs& args);
@@ -42,6 +45,7 @@ void W4A8GemmNeonI8mm(const W4A8GemmArgs& args);
 inline void W4A8Gemm(Isa isa, const W4A8GemmArgs& args) {
   switch (isa) {
 #if defined(JAX_MOEQ_X86)
+    case Isa::kAmxInt8: return W4A8GemmAmx(args);
     case Isa::kAvx512Vnni: return W4A8GemmAvx512Vnni(args);
     case Isa::kAvx2: return W4A8GemmAvx2(args);
 #endif

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
 #include <limits>
 #include <vector>
 
@@ -43,6 +45,81 @@ void NoteScratchBytes(int64_t bytes) {
 
 size_t ElementBytes(ElementType t) { return t == ElementType::kF32 ? 4 : 2; }
 
+// ------------------------------------------------------------ stage times (off by default)
+std::atomic<bool> profiling{false};
+std::mutex profile_mutex;
+W4A8MoeStageTimes profile_sums;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One chunk's stage times, added to the process sums when the chunk ends.
+class StageClock {
+ public:
+  explicit StageClock(const ParallelFor& parallel_for)
+      : on_(profiling.load(std::memory_order_relaxed)), inner_(parallel_for) {
+    last_ = on_ ? NowNs() : 0;
+  }
+  // Ends the current stage: its wall time since the previous mark.
+  void Mark(W4A8MoeStage stage) {
+    if (!on_) return;
+    const int64_t now = NowNs();
+    times_.wall_ns[stage] += now - last_;
+    last_ = now;
+  }
+  // parallel_for, timed as `stage` when profiling: dispatch, busy and join (see the header).
+  void For(W4A8MoeStage stage, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+    if (!on_) return inner_(n, body);
+    std::atomic<int64_t> first_start{INT64_MAX}, last_end{0}, busy{0}, pieces{0};
+    const int64_t launch = NowNs();
+    inner_(n, [&](int64_t begin, int64_t end) {
+      const int64_t start = NowNs();
+      AtomicMin(first_start, start);
+      body(begin, end);
+      const int64_t stop = NowNs();
+      AtomicMax(last_end, stop);
+      busy.fetch_add(stop - start, std::memory_order_relaxed);
+      pieces.fetch_add(1, std::memory_order_relaxed);
+    });
+    const int64_t returned = NowNs();
+    if (pieces.load() == 0) return;
+    times_.dispatch_ns[stage] += first_start.load() - launch;
+    times_.busy_ns[stage] += busy.load();
+    times_.join_ns[stage] += returned - last_end.load();
+    times_.pieces[stage] += pieces.load();
+  }
+  ~StageClock() {
+    if (!on_) return;
+    std::lock_guard<std::mutex> lock(profile_mutex);
+    profile_sums.chunks += 1;
+    for (int s = 0; s < kNumStages; ++s) {
+      profile_sums.wall_ns[s] += times_.wall_ns[s];
+      profile_sums.dispatch_ns[s] += times_.dispatch_ns[s];
+      profile_sums.busy_ns[s] += times_.busy_ns[s];
+      profile_sums.join_ns[s] += times_.join_ns[s];
+      profile_sums.pieces[s] += times_.pieces[s];
+    }
+  }
+
+ private:
+  static void AtomicMin(std::atomic<int64_t>& a, int64_t v) {
+    int64_t seen = a.load(std::memory_order_relaxed);
+    while (v < seen && !a.compare_exchange_weak(seen, v, std::memory_order_relaxed)) {
+    }
+  }
+  static void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
+    int64_t seen = a.load(std::memory_order_relaxed);
+    while (v > seen && !a.compare_exchange_weak(seen, v, std::memory_order_relaxed)) {
+    }
+  }
+  bool on_;
+  const ParallelFor& inner_;
+  int64_t last_;
+  W4A8MoeStageTimes times_;
+};
+
 struct GemmItem {
   int64_t expert;
   int64_t tile_begin;
@@ -73,8 +150,8 @@ void RunGemm(Isa isa, const std::vector<GemmItem>& items, const uint8_t* weights
              int64_t expert_bytes, const PackedGemmShape& shape,
              const QuantizedActivations& act, const int32_t* rows,
              const std::vector<int32_t>& counts, const std::vector<int32_t>& offsets, float* out,
-             const ParallelFor& parallel_for) {
-  parallel_for(static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end) {
+             StageClock& clock, W4A8MoeStage stage) {
+  clock.For(stage, static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const GemmItem& item = items[it];
       const int64_t off = offsets[item.expert];
@@ -97,6 +174,7 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
   const int64_t T = p.tokens, K = p.top_k, E = p.experts, H = p.hidden, I = p.intermediate;
   const int64_t slots = T * K;
   static thread_local Scratch sc;
+  StageClock clock(parallel_for);
   int64_t bytes = 0;  // this call's scratch, for W4A8MoeScratchHighWater
   const PackedGemmShape shape13{2 * I, H, p.group_size == -1 ? H : p.group_size};
   const PackedGemmShape shape2{H, I, p.group_size == -1 ? I : p.group_size};
@@ -129,6 +207,8 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     }
   }
 
+  clock.Mark(kStageRoute);
+
   // Stage 1: quantize GEMM1 inputs: once per token, or per slot when the
   // router weight scales the input first.
   const bool per_slot = p.apply_router_weight_on_input;
@@ -142,7 +222,7 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     rows1[pos] = per_slot ? static_cast<int32_t>(pos) : sorted_slot[pos] / static_cast<int32_t>(K);
   }
   const RowOps& ops = RowOpsFor(isa);
-  parallel_for(rows1_count, [&](int64_t begin, int64_t end) {
+  clock.For(kStageQuantize, rows1_count, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t slot = per_slot ? sorted_slot[r] : -1;
@@ -152,12 +232,15 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     }
   });
 
+  clock.Mark(kStageQuantize);
+
   // Stage 2: GEMM1 -> y13 [routed][2I] in float32, slots in expert order.
   float* y13 = Grow(sc.y13, routed * 2 * I, &bytes);
   const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I);
   RunGemm(isa, items13, p.w13_packed, shape13.total_bytes(), shape13,
           QuantizedActivations{q1, s1, zp1, sum1}, rows1, sc.counts, sc.offsets, y13,
-          parallel_for);
+          clock, kStageGemm1);
+  clock.Mark(kStageGemm1);
 
   // Stage 3: round, gated activation, round, quantize for GEMM2.
   int8_t* q2 = Grow(sc.q2, routed * I, &bytes);
@@ -166,7 +249,7 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
   int32_t* sum2 = Grow(sc.sum2, routed * g2, &bytes);
   int32_t* rows2 = Grow(sc.rows2, routed, &bytes);
   for (int64_t pos = 0; pos < routed; ++pos) rows2[pos] = static_cast<int32_t>(pos);
-  parallel_for(routed, [&](int64_t begin, int64_t end) {
+  clock.For(kStageActivate, routed, [&](int64_t begin, int64_t end) {
     std::vector<float> act(I);
     for (int64_t r = begin; r < end; ++r) {
       float* y = y13 + r * 2 * I;
@@ -175,15 +258,18 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     }
   });
 
+  clock.Mark(kStageActivate);
+
   // Stage 4: GEMM2 -> y2 [routed][H].
   float* y2 = Grow(sc.y2, routed * H, &bytes);
   const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H);
   RunGemm(isa, items2, p.w2_packed, shape2.total_bytes(), shape2,
           QuantizedActivations{q2, s2, zp2, sum2}, rows2, sc.counts, sc.offsets, y2,
-          parallel_for);
+          clock, kStageGemm2);
+  clock.Mark(kStageGemm2);
 
   // Stage 5: weighted sum over slots, in slot order, in the output dtype.
-  parallel_for(T, [&](int64_t begin, int64_t end) {
+  clock.For(kStageCombine, T, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(H);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -196,6 +282,7 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
       ops.store(p.dtype, acc.data(), H, p.out, t);
     }
   });
+  clock.Mark(kStageCombine);
   NoteScratchBytes(bytes);
 }
 
@@ -289,5 +376,20 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
 }
 
 int64_t W4A8MoeScratchHighWater() { return scratch_high_water.load(); }
+
+const char* W4A8MoeStageName(int stage) {
+  static const char* names[kNumStages] = {"route", "quantize", "gemm1", "activate", "gemm2",
+                                          "combine"};
+  return stage >= 0 && stage < kNumStages ? names[stage] : "unknown";
+}
+
+void W4A8MoeProfileEnable(bool on) { profiling.store(on); }
+
+W4A8MoeStageTimes W4A8MoeProfileTake() {
+  std::lock_guard<std::mutex> lock(profile_mutex);
+  W4A8MoeStageTimes taken = profile_sums;
+  profile_sums = W4A8MoeStageTimes();
+  return taken;
+}
 
 }  // namespace jax_moeq::cpu

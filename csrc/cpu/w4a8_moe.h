@@ -69,4 +69,24 @@ int64_t W4A8MoeChunkTokens(const W4A8MoeProblem& problem);
 // The largest scratch (bytes) one call's chunk has held so far in this process.
 int64_t W4A8MoeScratchHighWater();
 
+// Where a call's time goes (benchmarks/cpu_moe_bench.py --time-split): while enabled, every
+// chunk adds its stages' wall times, and each parallel stage the time from its launch to the
+// first piece starting on any thread (dispatch), the pieces' summed run time (busy), and the
+// time from the last piece ending to the launch returning (join). Off by default; a few clock
+// reads per stage when on.
+enum W4A8MoeStage { kStageRoute, kStageQuantize, kStageGemm1, kStageActivate, kStageGemm2,
+                    kStageCombine, kNumStages };
+struct W4A8MoeStageTimes {
+  int64_t chunks = 0;
+  int64_t wall_ns[kNumStages] = {};
+  int64_t dispatch_ns[kNumStages] = {};
+  int64_t busy_ns[kNumStages] = {};
+  int64_t join_ns[kNumStages] = {};
+  int64_t pieces[kNumStages] = {};
+};
+const char* W4A8MoeStageName(int stage);
+void W4A8MoeProfileEnable(bool on);
+// The sums since the last read, then zeroes them.
+W4A8MoeStageTimes W4A8MoeProfileTake();
+
 }  // namespace jax_moeq::cpu

@@ -42,7 +42,7 @@ const RowOps& Avx512RowOps();
 // The NEON GEMM paths use the portable row ops.
 inline const RowOps& RowOpsFor(Isa isa) {
 #if defined(JAX_MOEQ_X86)
-  if (isa == Isa::kAvx512Vnni) return Avx512RowOps();
+  if (isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8) return Avx512RowOps();
 #endif
   (void)isa;
   return PortableRowOps();

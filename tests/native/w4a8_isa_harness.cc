@@ -478,6 +478,42 @@ void CheckMoe(const std::vector<Isa>& isas, std::vector<Tally>& tallies) {
   }
 }
 
+#if defined(JAX_MOEQ_X86)
+// AMX-INT8 against AVX-512 VNNI, bit for bit (both promote each group's exact int32 sums with
+// the same FMAs), at row counts that fill its 16-row tiles: one block, a partial one, four at
+// once and more (m >= kAmxMinRows; fewer rows run the VNNI code itself). Group sizes take each
+// TDPBSUD width: 32, 64, 128, and channel-wise K = 48 (16-input chunks), 80, 96 (32), 512 (64).
+// The NaN-scale row stays NaN on both.
+int64_t CheckAmxAgainstVnni() {
+  Random rng(4321);
+  int64_t cases = 0, failures = 0;
+  const PackedGemmShape shapes[] = {{32, 128, 32},  {48, 256, 64}, {64, 512, 128},
+                                    {16, 48, 48},   {32, 80, 80},  {16, 96, 96},
+                                    {32, 512, 512}, {256, 256, 128}};
+  for (const PackedGemmShape& shape : shapes) {
+    const Expert e = RandomExpert(shape, 0.05f, rng);
+    for (int64_t m : {16, 17, 31, 33, 64, 70, 129}) {
+      const int64_t act_rows = m + 5;
+      const Activations act = RandomActivations(act_rows, shape.k, shape.group, act_rows - 1, rng);
+      for (auto [begin, end] : TileRanges(shape.n / kTileRows)) {
+        GemmCase c{shape, RandomRows(m, act_rows, rng), begin, end};
+        c.rows[2] = static_cast<int32_t>(act_rows - 1);
+        const std::vector<float> want = RunGemm(Isa::kAvx512Vnni, c, e, act);
+        const std::vector<float> got = RunGemm(Isa::kAmxInt8, c, e, act);
+        ++cases;
+        if (std::memcmp(got.data(), want.data(), got.size() * 4) != 0) {
+          ++failures;
+          std::printf("FAIL amx_int8 vs avx512_vnni %s\n", Describe(c).c_str());
+        }
+      }
+    }
+  }
+  std::printf("%s amx_int8 against avx512_vnni: %lld GEMM cases (bit-exact)\n",
+              failures ? "FAIL" : "ok", static_cast<long long>(cases));
+  return failures;
+}
+#endif
+
 }  // namespace
 
 int main() {
@@ -486,6 +522,11 @@ int main() {
   CheckGemms(isas, tallies);
   CheckMoe(isas, tallies);
   int64_t failures = 0;
+#if defined(JAX_MOEQ_X86)
+  if (std::find(isas.begin(), isas.end(), Isa::kAmxInt8) != isas.end()) {
+    failures += CheckAmxAgainstVnni();
+  }
+#endif
   for (size_t t = 0; t < isas.size(); ++t) {
     const Tally& tally = tallies[t];
     failures += tally.failures;
