@@ -552,7 +552,11 @@ def plot(results: dict[str, list[Row]], path: str, title: str) -> None:
   for col, (name, rows) in enumerate(results.items()):
     t = [r.tokens for r in rows]
     ax = axes[0][col]
-    ax.plot(t, [r.ours_s * 1e3 for r in rows], "o-", label="jax_moeq W4A8")
+    ax.plot(t, [r.ours_s * 1e3 for r in rows], "o-",
+            label="jax_moeq W4A8" + (f" ({os.environ['JAX_MOEQ_CPU_ISA']})"
+                                     if rows and rows[0].isa_s else ""))
+    for isa in (rows[0].isa_s if rows else {}):
+      ax.plot(t, [r.isa_s[isa] * 1e3 for r in rows], "o:", label=f"jax_moeq W4A8 ({isa})")
     for attr, label in (("ort_s", "ORT QMoE (int4, accuracy_level 4)"), ("xla_s", "bf16 XLA")):
       pts = [(r.tokens, getattr(r, attr) * 1e3) for r in rows if getattr(r, attr)]
       if pts:
