@@ -428,20 +428,24 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   }
 }
 
+template <typename T, int kGroupSteps, bool kGemm1>
+void LaunchW4a8GemmFor(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
+  // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's. The
+  // table is a static of this function template, so each kernel instantiation has its own.
+  static SmemOptInTable opted_in;
+  (void)EnsureDynamicSmem(opted_in, W4a8WgmmaKernel<T, kGroupSteps, kGemm1>, kW8SmemBytes);
+  LaunchAfterPrior(W4a8WgmmaKernel<T, kGroupSteps, kGemm1>, grid, dim3(kW8Threads), kW8SmemBytes,
+                   stream, args);
+}
+
 template <typename T, bool kGemm1>
 std::string LaunchW4a8Gemm(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
   const int steps = args.groups == 1 ? 0 : (args.k / args.groups) / 32;
-  auto launch = [&](auto kernel) {
-    // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's.
-    static SmemOptInTable opted_in;
-    (void)EnsureDynamicSmem(opted_in, kernel, kW8SmemBytes);
-    LaunchAfterPrior(kernel, grid, dim3(kW8Threads), kW8SmemBytes, stream, args);
-  };
   switch (steps) {
-    case 0: launch(W4a8WgmmaKernel<T, 0, kGemm1>); break;
-    case 1: launch(W4a8WgmmaKernel<T, 1, kGemm1>); break;
-    case 2: launch(W4a8WgmmaKernel<T, 2, kGemm1>); break;
-    case 4: launch(W4a8WgmmaKernel<T, 4, kGemm1>); break;
+    case 0: LaunchW4a8GemmFor<T, 0, kGemm1>(args, grid, stream); break;
+    case 1: LaunchW4a8GemmFor<T, 1, kGemm1>(args, grid, stream); break;
+    case 2: LaunchW4a8GemmFor<T, 2, kGemm1>(args, grid, stream); break;
+    case 4: LaunchW4a8GemmFor<T, 4, kGemm1>(args, grid, stream); break;
     default: return "unsupported group size " + std::to_string(args.k / args.groups);
   }
   return "";
