@@ -34,6 +34,11 @@ Token dispatch (`dispatch=`):
   because XLA:CPU has no `ragged_all_to_all`. Per round, each shard sends and receives
   n_ep * C rows of H activations (and C ids and weights per destination): about
   capacity_factor * T_local * K * H * bytes, against the replicated dispatch's T * H * 4.
+- "ragged_all_to_all": the same buffers, rounds and result as "all_to_all", but each exchange is
+  a `lax.ragged_all_to_all` that sends only the filled rows of each destination's block (the
+  per-destination counts travel first in a small `all_to_all`), so the wire carries the pairs
+  themselves, not n_ep * C rows. For backends whose XLA implements it (GPU, TPU); on a CPU mesh
+  it is refused with a ValueError (XLA:CPU answers UNIMPLEMENTED).
 
 Rounding: EP keeps the single-device arithmetic of every (token, expert) pair; only the order of
 the top-k sum changes (f32 psum of per-shard partial sums), so results match to float32
@@ -135,6 +140,46 @@ def _place(a, sharding: NamedSharding) -> Array:
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def process_expert_ranks(mesh: Mesh, expert_axis: str | None) -> tuple[int, ...]:
+  """The positions on the expert axis of this process's devices in `mesh` (all of them in a
+  single process; under jax.distributed, the ranks whose experts this process must hold)."""
+  me = jax.process_index()
+  mine = [index for index, d in np.ndenumerate(mesh.devices) if d.process_index == me]
+  if not mine:
+    raise ValueError(f"process {me} has no device in the mesh {dict(mesh.shape)}")
+  if expert_axis is None:
+    return (0,)
+  axis = mesh.axis_names.index(expert_axis)
+  return tuple(sorted({index[axis] for index in mine}))
+
+
+def local_expert_ids(mesh: Mesh, expert_axis: str | None, num_experts: int) -> tuple[int, ...]:
+  """The global ids of the experts this process's devices hold: EP rank r holds the contiguous
+  block [r*E/n_ep, (r+1)*E/n_ep)."""
+  n_ep = _axis_size(mesh, expert_axis)
+  if num_experts % n_ep:
+    raise ValueError(f"num_experts={num_experts} is not divisible by the expert axis size {n_ep}")
+  per = num_experts // n_ep
+  return tuple(e for r in process_expert_ranks(mesh, expert_axis)
+               for e in range(r * per, (r + 1) * per))
+
+
+def _place_blocks(blocks: dict[int, np.ndarray], n_ep: int, sharding: NamedSharding) -> Array:
+  """A [n_tp, n_ep * rows, width] array on the mesh from this process's per-EP-rank blocks
+  [n_tp, rows, width]: each device's shard is cut from its rank's block, so no process needs
+  the blocks of ranks it does not hold."""
+  n_tp, rows, width = next(iter(blocks.values())).shape
+
+  def shard(index: tuple[slice, ...]) -> np.ndarray:
+    start = index[1].start or 0
+    stop = n_ep * rows if index[1].stop is None else index[1].stop
+    if stop - start != rows or start % rows:
+      raise ValueError(f"the expert axis shard [{start}, {stop}) is not one block of {rows} rows")
+    return blocks[start // rows][index[0], :, index[2]]
+
+  return jax.make_array_from_callback((n_tp, n_ep * rows, width), sharding, shard)
+
+
 def _append_null_experts(x: Array, n_ep: int, null: Array) -> Array:
   """[E, ...] -> [n_ep * (E/n_ep + 1), ...]: each block of E/n_ep experts gets `null` appended."""
   blocks = x.reshape(n_ep, x.shape[0] // n_ep, *x.shape[1:])
@@ -170,43 +215,72 @@ class ShardedW4A8Weights:
     return P(self.tensor_axis, self.expert_axis)
 
 
-def shard_w4a8_weights(w13_weight: Array, w2_weight: Array, w13_weight_scale: Array,
-                       w2_weight_scale: Array, group_size: int, *, mesh: Mesh,
-                       expert_axis: str | None = "ep", tensor_axis: str | None = None,
-                       w13_bias: Array | None = None,
-                       w2_bias: Array | None = None) -> ShardedW4A8Weights:
-  """Packs int4 MoE weights (`convert_to_w4a8_int8_moe_format`'s inputs) for sharded execution.
-
-  Arguments as `jax_moeq.convert_to_w4a8_int8_moe_format`; `expert_axis` / `tensor_axis` name mesh
-  axes (None: not split that way). The packed shards are placed on the mesh's devices.
-  """
-  e, i2, h = w13_weight.shape
-  i = i2 // 2
-  n_ep, n_tp = _check_split(mesh, expert_axis, tensor_axis, e, i, group_size,
-                            w4a8_cpu.TILE_ROWS)
-  g13s, g2s = [], []
+def _pack_w4a8_block(w13_weight, w2_weight, w13_weight_scale, w2_weight_scale, group_size: int,
+                     w13_bias, w2_bias, n_tp: int,
+                     null_expert: bool) -> tuple[np.ndarray, np.ndarray]:
+  """One EP rank's experts packed per TP slice: [n_tp, E_block (+1 null), bytes] for w13, w2."""
+  i = w13_weight.shape[1] // 2
+  h = w13_weight.shape[2]
   li = i // n_tp
-  slices = _tp_slices(w13_weight, w2_weight, w13_bias, w2_bias, n_tp)
-  for j, (w13, w2, b13, b2, rows) in enumerate(slices):
+  g13s, g2s = [], []
+  for j, (w13, w2, b13, b2, rows) in enumerate(
+      _tp_slices(w13_weight, w2_weight, w13_bias, w2_bias, n_tp)):
     s13 = w13_weight_scale[:, rows]
     if group_size == -1:
       s2 = w2_weight_scale  # one scale per output row: the same for every input slice
     else:
       s2 = w2_weight_scale[:, :, j * li // group_size:(j + 1) * li // group_size]
     p13, p2, *_ = w4a8_cpu.convert_to_w4a8_int8_moe_format(w13, w2, s13, s2, group_size, b13, b2)
-    if expert_axis is not None:
+    if null_expert:
       # The null expert: q = 0 with unit scales and no bias packs to a GEMM that returns 0.
       z13, z2, *_ = w4a8_cpu.convert_to_w4a8_int8_moe_format(
           jnp.zeros((1, 2 * li, h), jnp.int8), jnp.zeros((1, h, li), jnp.int8),
           jnp.ones((1,) + s13.shape[1:], s13.dtype), jnp.ones((1,) + s2.shape[1:], s2.dtype),
           group_size)
-      p13, p2 = _append_null_experts(p13, n_ep, z13[0]), _append_null_experts(p2, n_ep, z2[0])
-    g13s.append(p13)
-    g2s.append(p2)
-  w13_packed, w2_packed = jnp.stack(g13s), jnp.stack(g2s)
+      p13, p2 = jnp.concatenate([p13, z13]), jnp.concatenate([p2, z2])
+    g13s.append(np.asarray(p13))
+    g2s.append(np.asarray(p2))
+  return np.stack(g13s), np.stack(g2s)
+
+
+def shard_w4a8_weights(w13_weight: Array, w2_weight: Array, w13_weight_scale: Array,
+                       w2_weight_scale: Array, group_size: int, *, mesh: Mesh,
+                       expert_axis: str | None = "ep", tensor_axis: str | None = None,
+                       w13_bias: Array | None = None, w2_bias: Array | None = None,
+                       num_experts: int | None = None) -> ShardedW4A8Weights:
+  """Packs int4 MoE weights (`convert_to_w4a8_int8_moe_format`'s inputs) for sharded execution.
+
+  Arguments as `jax_moeq.convert_to_w4a8_int8_moe_format`; `expert_axis` / `tensor_axis` name mesh
+  axes (None: not split that way). Each process packs only the experts of its own devices' EP
+  ranks and places them there.
+  `num_experts`: None when the weights hold all E experts (every process passes the same). An
+  int E when they hold only this process's experts, `local_expert_ids(mesh, expert_axis, E)` in
+  that order (as `jax_moeq.models.from_pretrained(mesh=...)` reads them): no process then needs
+  the others' weights.
+  """
+  held, i2, h = w13_weight.shape
+  i = i2 // 2
+  e = held if num_experts is None else int(num_experts)
+  n_ep, n_tp = _check_split(mesh, expert_axis, tensor_axis, e, i, group_size,
+                            w4a8_cpu.TILE_ROWS)
+  per = e // n_ep
+  ranks = process_expert_ranks(mesh, expert_axis)
+  if num_experts is None:
+    first = {r: r * per for r in ranks}  # where each rank's block starts in the given weights
+  else:
+    if held != len(ranks) * per:
+      raise ValueError(f"the weights hold {held} experts; with num_experts={e} this process's "
+                       f"EP ranks {list(ranks)} hold {len(ranks) * per}")
+    first = {r: k * per for k, r in enumerate(ranks)}
+  blocks13, blocks2 = {}, {}
+  for r, start in first.items():
+    part = lambda a: None if a is None else a[start:start + per]
+    blocks13[r], blocks2[r] = _pack_w4a8_block(
+        part(w13_weight), part(w2_weight), part(w13_weight_scale), part(w2_weight_scale),
+        group_size, part(w13_bias), part(w2_bias), n_tp, expert_axis is not None)
   sharding = NamedSharding(mesh, P(tensor_axis, expert_axis))
   return ShardedW4A8Weights(
-      _place(w13_packed, sharding), _place(w2_packed, sharding), e, h, i,
+      _place_blocks(blocks13, n_ep, sharding), _place_blocks(blocks2, n_ep, sharding), e, h, i,
       group_size, mesh, expert_axis, tensor_axis)
 
 
@@ -253,15 +327,24 @@ def _combine(y: Array, out_dtype, axes: tuple[str, ...]) -> Array:
 
 
 # ------------------------------------------------------------------ all-to-all dispatch
-DISPATCHES = ("replicated", "all_to_all")
+DISPATCHES = ("replicated", "all_to_all", "ragged_all_to_all")
 _A2A_DEFAULT_CAPACITY = 2.0  # capacity_factor=None under all-to-all dispatch
+# Backends whose XLA implements ragged-all-to-all; XLA:CPU answers UNIMPLEMENTED (jax 0.10).
+_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+_ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
-def _check_dispatch(dispatch: str, expert_axis: str | None) -> None:
+def _check_dispatch(dispatch: str, expert_axis: str | None, mesh: Mesh | None = None) -> None:
   if dispatch not in DISPATCHES:
     raise ValueError(f"dispatch={dispatch!r} is not one of {DISPATCHES}")
-  if dispatch == "all_to_all" and expert_axis is None:
-    raise ValueError("dispatch='all_to_all' needs an expert axis (expert_axis=None given)")
+  if dispatch != "replicated" and expert_axis is None:
+    raise ValueError(f"dispatch={dispatch!r} needs an expert axis (expert_axis=None given)")
+  if dispatch == "ragged_all_to_all" and mesh is not None:
+    platforms = sorted({d.platform for d in mesh.devices.flat})
+    if not set(platforms) <= set(_RAGGED_PLATFORMS):
+      raise ValueError(f"dispatch='ragged_all_to_all' needs a backend with ragged_all_to_all "
+                       f"({', '.join(_RAGGED_PLATFORMS)}); this mesh has {platforms} devices "
+                       "(XLA:CPU answers UNIMPLEMENTED): use dispatch='all_to_all'")
 
 
 def a2a_capacity(tokens_per_shard: int, top_k: int, n_ep: int, capacity_factor: float) -> int:
@@ -275,13 +358,17 @@ def a2a_capacity(tokens_per_shard: int, top_k: int, n_ep: int, capacity_factor: 
 
 def _a2a_pair_outputs(run: Callable[[Array, Array, Array], Array], x: Array, topk_ids: Array,
                       topk_weights: Array, local_experts: int, axis: str, n_ep: int,
-                      capacity: int, tensor_axis: str | None) -> tuple[Array, Array]:
+                      capacity: int, tensor_axis: str | None,
+                      ragged: bool = False) -> tuple[Array, Array]:
   """(y [T, K, H] in x.dtype, valid [T, K]): every (token, slot) pair of this shard's tokens run
   on the shard holding its expert; y is 0 for pairs whose id is outside [0, E).
 
   `run(rows [R, H], local_ids [R, 1], weights [R, 1]) -> [R, H]` computes one-slot rows on this
   shard's experts; an empty slot has id -1 and must give 0 (the kernels skip ids outside
   [0, E) under jit).
+
+  `ragged`: the exchanges are `ragged_all_to_all`s that send only the filled rows of each
+  destination's block (the dense one sends all C); the buffers and rounds are the same.
   """
   t, k = topk_ids.shape
   h = x.shape[-1]
@@ -302,9 +389,17 @@ def _a2a_pair_outputs(run: Callable[[Array, Array, Array], Array], x: Array, top
   rounds = jax.lax.pmax(rounds, axis)  # every shard takes part in every exchange
   slots = n_ep * capacity
 
-  def exchange(a: Array) -> Array:
+  def dense(a: Array, fill) -> Array:
+    del fill  # every slot travels: the sender's empty slots are already filled
     shaped = a.reshape(n_ep, capacity, *a.shape[1:])
     return jax.lax.all_to_all(shaped, axis, 0, 0, tiled=True).reshape(a.shape)
+
+  def ragged_exchange(sent: Array, received: Array) -> Callable[[Array, object], Array]:
+    # Block d of the buffer (rows d*C ..) goes to shard d and lands in its block for this shard.
+    starts = jnp.arange(n_ep, dtype=jnp.int32) * capacity
+    mine = jnp.full((n_ep,), jax.lax.axis_index(axis) * capacity, jnp.int32)
+    return lambda a, fill: _ragged_all_to_all(a, jnp.full_like(a, fill), starts, sent, mine,
+                                              received, axis_name=axis)
 
   def one_round(state):
     r, y = state
@@ -314,10 +409,16 @@ def _a2a_pair_outputs(run: Callable[[Array, Array, Array], Array], x: Array, top
     # Empty slots carry id -1: the kernels skip ids outside [0, E) (no work, output 0).
     send_id = jnp.full((slots,), -1, jnp.int32).at[slot].set(local, mode="drop")
     send_w = jnp.zeros((slots,), jnp.float32).at[slot].set(weights, mode="drop")
-    got = run(exchange(send_x), exchange(send_id)[:, None], exchange(send_w)[:, None])
+    forward = backward = dense
+    if ragged:  # rows this round sends to each shard, and receives from each
+      sent = jnp.clip(counts[:n_ep] - r * capacity, 0, capacity).astype(jnp.int32)
+      received = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)
+      forward, backward = ragged_exchange(sent, received), ragged_exchange(received, sent)
+    got = run(forward(send_x, 0), forward(send_id[:, None], -1),
+              forward(send_w[:, None], 0))
     if tensor_axis is not None:  # partial GEMM2 outputs of the tensor-parallel slices
       got = jax.lax.psum(got.astype(jnp.float32), tensor_axis).astype(x.dtype)
-    back = exchange(got.astype(x.dtype))
+    back = backward(got.astype(x.dtype), 0)
     y = jnp.where(in_round[:, None], back[jnp.minimum(slot, slots - 1)], y)
     return r + 1, y
 
@@ -328,7 +429,8 @@ def _a2a_pair_outputs(run: Callable[[Array, Array, Array], Array], x: Array, top
 
 
 def _a2a_apply(run, x: Array, topk_ids: Array, topk_weights: Array, local_experts: int,
-               axis: str, n_ep: int, capacity_factor: float, tensor_axis: str | None) -> Array:
+               axis: str, n_ep: int, capacity_factor: float, tensor_axis: str | None,
+               ragged: bool = False) -> Array:
   """This shard's tokens' outputs [T_local, H] (x.dtype) under all-to-all dispatch.
 
   Each pair travels with its router weight and runs as a one-slot row, so the expert's shard
@@ -339,7 +441,7 @@ def _a2a_apply(run, x: Array, topk_ids: Array, topk_weights: Array, local_expert
   t, k = topk_ids.shape
   capacity = a2a_capacity(t, k, n_ep, capacity_factor)
   v, _ = _a2a_pair_outputs(run, x, topk_ids, topk_weights, local_experts, axis, n_ep, capacity,
-                           tensor_axis)
+                           tensor_axis, ragged)
   out = jnp.zeros((t, x.shape[-1]), jnp.float32)
   for slot in range(k):
     out = reference.round_to_dtype(out + v[:, slot].astype(jnp.float32), x.dtype)
@@ -371,8 +473,10 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
   dispatch="all_to_all": tokens are sharded over the expert axis (T padded to a multiple of its
   size) and so is the result; `capacity_factor` (default 2 when None) sizes the exchange (module
   docstring). With EP alone the result is bit-identical to the single-device op.
+  dispatch="ragged_all_to_all": as "all_to_all", exchanging only the filled rows; refused on a
+  CPU mesh (XLA:CPU has no ragged_all_to_all), where this kernel runs.
   """
-  _check_dispatch(dispatch, weights.expert_axis)
+  _check_dispatch(dispatch, weights.expert_axis, weights.mesh)
   mesh = weights.mesh
   n_ep = _axis_size(mesh, weights.expert_axis)
   n_tp = _axis_size(mesh, weights.tensor_axis)
@@ -389,10 +493,12 @@ def w4a8_moe_sharded(x: Array, topk_ids: Array, topk_weights: Array,
         apply_router_weight_on_input=apply_router_weight_on_input,
         activation_kind=activation_kind)
 
-  if dispatch == "all_to_all":
+  if dispatch != "replicated":
     def a2a_body(x, ids, w, w13, w2):
       return _a2a_apply(kernel(w13, w2), x, ids.astype(jnp.int32), w, local_e,
-                        weights.expert_axis, n_ep, _A2A_DEFAULT_CAPACITY if capacity_factor is None else capacity_factor, weights.tensor_axis)
+                        weights.expert_axis, n_ep,
+                        _A2A_DEFAULT_CAPACITY if capacity_factor is None else capacity_factor,
+                        weights.tensor_axis, dispatch == "ragged_all_to_all")
 
     t, (x, topk_ids, topk_weights) = _pad_tokens(n_ep, x, topk_ids, topk_weights)
     tokens = P(weights.expert_axis)
@@ -422,7 +528,7 @@ def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
   and router; the experts run EP / TP over `mesh` (weights packed and placed once, here), their
   tokens dispatched as `dispatch` says (`w4a8_moe_sharded`).
   """
-  _check_dispatch(dispatch, expert_axis)
+  _check_dispatch(dispatch, expert_axis, mesh)
   w = block.canonical_int4()
   if w.w13_g_idx is not None:
     raise ValueError("blocks with act-order on w13 cannot run on the W4A8 kernel")
@@ -495,21 +601,23 @@ def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
   may be called with [C, 1] compacted pairs (see `_ep_apply`). With dispatch="all_to_all" it is
   called with one-slot rows only (each with its router weight), tokens and the result are
   sharded over the expert axis, and each token adds its slots' outputs in order, rounding each
-  step (see `w4a8_moe_sharded`).
+  step (see `w4a8_moe_sharded`). dispatch="ragged_all_to_all" does the same with
+  `lax.ragged_all_to_all`, sending only the filled rows (GPU / TPU meshes; refused on CPU).
   """
-  _check_dispatch(dispatch, weights.expert_axis)
+  _check_dispatch(dispatch, weights.expert_axis, weights.mesh)
   mesh = weights.mesh
   n_ep = _axis_size(mesh, weights.expert_axis)
   local_e = weights.num_experts // n_ep
   axes = tuple(a for a in (weights.tensor_axis, weights.expert_axis) if a is not None)
   spec = P(weights.tensor_axis, weights.expert_axis)
 
-  if dispatch == "all_to_all":
+  if dispatch != "replicated":
     def a2a_body(x, ids, w, *arrays):
       local = {n: a[0] for n, a in zip(weights.names, arrays)}
       run = lambda x, ids, w: expert_fn(x, ids, w, **local)
       return _a2a_apply(run, x, ids.astype(jnp.int32), w, local_e, weights.expert_axis, n_ep,
-                        _A2A_DEFAULT_CAPACITY if capacity_factor is None else capacity_factor, weights.tensor_axis)
+                        _A2A_DEFAULT_CAPACITY if capacity_factor is None else capacity_factor,
+                        weights.tensor_axis, dispatch == "ragged_all_to_all")
 
     t, (x, topk_ids, topk_weights) = _pad_tokens(n_ep, x, topk_ids, topk_weights)
     tokens = P(weights.expert_axis)

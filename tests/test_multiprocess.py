@@ -7,10 +7,15 @@ single-device op computed in each process.
 Tolerances as in tests/test_sharding.py: all-to-all EP is bit-identical to the op; replicated EP
 agrees to float32 reassociation (1e-6); with TP, both dispatches sum the same float32 partials of
 the slices (1e-6 between them). Every process is bounded in time and killed if any fails.
+
+`from_pretrained(mesh=...)` across 2 processes: each reads exactly the bytes of its own half of
+the experts (per-expert and fused checkpoints), and the gathered logits match the unsharded
+model's (tolerance as in tests/test_sharded_loading.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -90,8 +95,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("n_proc,devices_per_proc", [(2, 2), (4, 1), (4, 2)])
-def test_sharded_moe_across_processes(n_proc, devices_per_proc, tmp_path):
+def _run_workers(worker: str, n_proc: int, devices_per_proc: int, cwd, args: tuple[str, ...] = (),
+                 timeout: float = 480) -> None:
+  """Runs `worker` as n_proc processes (argv: port, n_proc, rank, *args); all must print
+  'ok {rank}'. If one fails or time runs out, the others are killed."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       f" --xla_force_host_platform_device_count={devices_per_proc}").strip()
@@ -99,14 +106,14 @@ def test_sharded_moe_across_processes(n_proc, devices_per_proc, tmp_path):
   package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_moeq.__file__)))
   env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(n_proc), str(rank)],
-                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for rank in range(n_proc)]
-  deadline = time.monotonic() + 480
+  procs = [subprocess.Popen([sys.executable, "-c", worker, str(port), str(n_proc), str(rank),
+                             *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for rank in range(n_proc)]
+  deadline = time.monotonic() + timeout
   try:
     while any(p.poll() is None for p in procs):
       if time.monotonic() > deadline:
-        raise AssertionError(f"the {n_proc} processes did not finish within 480 s")
+        raise AssertionError(f"the {n_proc} processes did not finish within {timeout} s")
       failed = [p for p in procs if p.poll() not in (None, 0)]
       if failed:  # one failed: the others would wait for it at the next collective
         break
@@ -119,3 +126,100 @@ def test_sharded_moe_across_processes(n_proc, devices_per_proc, tmp_path):
   for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0 and f"ok {rank}" in out, (
         f"process {rank} of {n_proc}: rc={p.returncode}\n{out[-2000:]}\n{err[-4000:]}")
+
+
+@pytest.mark.parametrize("n_proc,devices_per_proc", [(2, 2), (4, 1), (4, 2)])
+def test_sharded_moe_across_processes(n_proc, devices_per_proc, tmp_path):
+  _run_workers(_WORKER, n_proc, devices_per_proc, tmp_path)
+
+
+# `from_pretrained(mesh=...)` in 2 processes x 2 CPU devices, EP over the 4: process r holds EP
+# ranks 2r and 2r+1, i.e. experts [4r, 4r+4) of 8. Every read of tensor data goes through
+# `safetensors_io._read_bytes`; the worker logs the byte ranges and maps them to experts.
+_LOAD_WORKER = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    port, n_proc, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    paths = json.loads(sys.argv[4])
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n_proc,
+                               process_id=rank, initialization_timeout=120)
+    import jax.numpy as jnp, numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_moeq import models, sharding as sh
+    from jax_moeq.loaders import SafetensorsDir, safetensors_io
+
+    log = []
+    real_read = safetensors_io._read_bytes
+    def logged(file, start, nbytes, name):
+      log.append((str(file), start, start + nbytes))
+      return real_read(file, start, nbytes, name)
+    safetensors_io._read_bytes = logged
+
+    def expert_spans(path, num_experts):
+      # expert id -> byte ranges of its share of every expert tensor (all layers)
+      ckpt, out = SafetensorsDir(path), {e: [] for e in range(num_experts)}
+      for name in ckpt.keys():
+        info, parts = ckpt.info(name), name.split(".")
+        if "experts" not in parts:
+          continue
+        after = parts[parts.index("experts") + 1]
+        if after.isdigit():
+          out[int(after)].append((str(info.file), info.start, info.start + info.nbytes))
+        elif len(info.shape) >= 2 and info.shape[0] == num_experts:
+          row = info.nbytes // num_experts
+          out_rows = [(str(info.file), info.start + e * row, info.start + (e + 1) * row)
+                      for e in range(num_experts)]
+          for e, span in enumerate(out_rows):
+            out[e].append(span)
+      return out
+
+    def read_experts(spans):
+      touched = {e for e, ss in spans.items()
+                 if any(f == g and a < d and c < b for f, a, b in ss for g, c, d in log)}
+      whole = {e for e, ss in spans.items() if ss and all(
+          any(f == g and c <= a and b <= d for g, c, d in log) for f, a, b in ss)}
+      return touched, whole
+
+    def rel(a, b):
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    assert jax.process_count() == n_proc
+    mesh = sh.make_mesh(len(jax.devices()), 1)
+    mine = set(range(4 * rank, 4 * rank + 4))
+    assert set(sh.local_expert_ids(mesh, "ep", 8)) == mine
+    ids = np.random.default_rng(0).integers(0, 256, (2, 7)).astype(np.int32)
+    global_ids = jax.make_array_from_callback(ids.shape, NamedSharding(mesh, P()),
+                                              lambda i: ids[i])
+    run = jax.jit(lambda m, i: m(i))
+    for name, dispatch in (("per_expert", "all_to_all"), ("per_expert", "replicated"),
+                           ("fused", "all_to_all")):
+      log.clear()
+      model = models.from_pretrained(paths[name], quantization="w4a8_int8", dtype=jnp.float32,
+                                     show_progress=False, mesh=mesh, dispatch=dispatch)
+      touched, whole = read_experts(expert_spans(paths[name], 8))
+      assert touched == whole == mine, (name, sorted(touched), sorted(whole))
+      got = multihost_utils.process_allgather(run(model, global_ids), tiled=True)
+      with jax.default_device(jax.local_devices()[0]):
+        full = models.from_pretrained(paths[name], quantization="w4a8_int8", dtype=jnp.float32,
+                                      show_progress=False)
+        want = np.asarray(run(full, ids))
+      # tests/test_sharded_loading.py: EP keeps the W4A8 arithmetic; f32 reassociation only.
+      err = rel(got, want)
+      assert err <= 1e-5, (name, dispatch, err)
+    print(f"ok {rank}", flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  pytest.importorskip("torch", reason="the checkpoints are written by transformers")
+  pytest.importorskip("transformers", reason="the checkpoints are written by transformers")
+  import test_sharded_loading  # the tiny checkpoints of the one-process tests
+  return test_sharded_loading._checkpoints(tmp_path_factory.mktemp("sharded_ckpts"))
+
+
+def test_from_pretrained_reads_only_local_experts_across_processes(checkpoints, tmp_path):
+  _run_workers(_LOAD_WORKER, 2, 2, tmp_path, (json.dumps(checkpoints),), timeout=300)

@@ -313,8 +313,9 @@ class _Proj:
   bias: np.ndarray | None = None
 
 
-def _read(ckpt: SafetensorsDir, prefix: str, qcfg: CheckpointQuantConfig) -> _Proj:
-  value, bias = quantized.read_projection(ckpt, prefix, qcfg)
+def _read(ckpt: SafetensorsDir, prefix: str, qcfg: CheckpointQuantConfig,
+          rows: tuple[int, int] | None = None) -> _Proj:
+  value, bias = quantized.read_projection(ckpt, prefix, qcfg, rows=rows)
   if isinstance(value, quantized.Int4Projection):
     return _Proj(value.q, value.scale, value.g_idx, value.group_size, bias)
   return _Proj(value, bias=bias)
@@ -375,6 +376,43 @@ def _stack_projs(projs: list[_Proj], where: str) -> _Proj:
                _stack([p.bias for p in projs], f"{where} bias"))
 
 
+def _concat_projs(projs: list[_Proj]) -> _Proj:
+  """Runs of experts [E_a, ...], [E_b, ...] of one projection -> [E_a + E_b, ...]."""
+  if len(projs) == 1:
+    return projs[0]
+  cat = lambda parts: None if parts[0] is None else np.concatenate(parts)
+  return _Proj(cat([p.w for p in projs]), cat([p.scale for p in projs]),
+               cat([p.g_idx for p in projs]), projs[0].group_size, cat([p.bias for p in projs]))
+
+
+def _expert_runs(experts: Sequence[int] | None, num_experts: int,
+                 where: str) -> list[tuple[int, int]] | None:
+  """Sorted distinct expert ids -> contiguous [start, stop) runs (None: all experts)."""
+  if experts is None:
+    return None
+  ids = [int(e) for e in experts]
+  if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= num_experts:
+    raise ValueError(f"{where}: experts must be sorted distinct ids in [0, {num_experts}), got "
+                     f"{ids[:8]}{'...' if len(ids) > 8 else ''}")
+  runs: list[tuple[int, int]] = []
+  for e in ids:
+    if runs and runs[-1][1] == e:
+      runs[-1] = (runs[-1][0], e + 1)
+    else:
+      runs.append((e, e + 1))
+  return runs
+
+
+def _stacked_experts(ckpt: SafetensorsDir, layout: ExpertsLayout) -> int:
+  """E of a stacked / fused layer, from its gate (or gate_up) tensor's shape (no data read)."""
+  ex = layout.experts
+  first = f"{ex}.{layout.projs[0]}"
+  for name in (first, f"{first}.weight", f"{first}.weight_packed"):
+    if name in ckpt and len(ckpt.get_shape(name)) == 3:
+      return ckpt.get_shape(name)[0]
+  raise ValueError(f"{ex}: no 3-D {first} tensor tells the number of experts")
+
+
 def _deinterleave_rows(p: _Proj) -> _Proj:
   """gate/up alternating along the output rows -> halves (the act order is per input: kept)."""
   rows = lambda a: None if a is None else int4_format.deinterleave_gate_up(a, axis=-2)
@@ -411,7 +449,8 @@ def _fused_orientation(gu: tuple[int, ...], down: tuple[int, ...], fused_layout:
 
 
 def _load_fused(ckpt: SafetensorsDir, layout: ExpertsLayout, qcfg: CheckpointQuantConfig,
-                fused_layout: str, hidden: int | None, inter: int | None) -> tuple[_Proj, _Proj]:
+                fused_layout: str, hidden: int | None, inter: int | None,
+                rows: tuple[int, int] | None = None) -> tuple[_Proj, _Proj]:
   ex = layout.experts
   if f"{ex}.gate_up_proj" in ckpt:  # raw parameters (float)
     if f"{ex}.down_proj" not in ckpt:
@@ -419,10 +458,10 @@ def _load_fused(ckpt: SafetensorsDir, layout: ExpertsLayout, qcfg: CheckpointQua
                                   path=ckpt.path, tensor=f"{ex}.down_proj")
     gu_shape, down_shape = ckpt.get_shape(f"{ex}.gate_up_proj"), ckpt.get_shape(f"{ex}.down_proj")
     orient = _fused_orientation(gu_shape, down_shape, fused_layout, hidden, inter, ex)
-    w13 = _float(ckpt, f"{ex}.gate_up_proj")
-    w2 = _float(ckpt, f"{ex}.down_proj")
-    b13 = _optional_float(ckpt, f"{ex}.gate_up_proj_bias")
-    b2 = _optional_float(ckpt, f"{ex}.down_proj_bias")
+    w13 = _float(ckpt, f"{ex}.gate_up_proj", rows)
+    w2 = _float(ckpt, f"{ex}.down_proj", rows)
+    b13 = _optional_float(ckpt, f"{ex}.gate_up_proj_bias", rows)
+    b2 = _optional_float(ckpt, f"{ex}.down_proj_bias", rows)
     if orient == "interleaved":
       w13 = int4_format.deinterleave_gate_up(w13, axis=-1).transpose(0, 2, 1)
       w2 = w2.transpose(0, 2, 1)
@@ -434,8 +473,8 @@ def _load_fused(ckpt: SafetensorsDir, layout: ExpertsLayout, qcfg: CheckpointQua
         raise ValueError(f"{ckpt.where(f'{ex}.{name}')} has shape {b.shape}, expected {shape}")
     return (_Proj(np.ascontiguousarray(w13), bias=b13),
             _Proj(np.ascontiguousarray(w2), bias=b2))
-  w13 = _read(ckpt, f"{ex}.gate_up_proj", qcfg)  # module weights: [E, 2I, H] out-major
-  w2 = _read(ckpt, f"{ex}.down_proj", qcfg)
+  w13 = _read(ckpt, f"{ex}.gate_up_proj", qcfg, rows)  # module weights: [E, 2I, H] out-major
+  w2 = _read(ckpt, f"{ex}.down_proj", qcfg, rows)
   if w13.w.ndim != 3 or w2.w.ndim != 3:
     raise ValueError(f"{ex}: fused gate_up_proj {w13.w.shape} / down_proj {w2.w.shape} must be "
                      "3-D [E, out, in]")
@@ -444,22 +483,25 @@ def _load_fused(ckpt: SafetensorsDir, layout: ExpertsLayout, qcfg: CheckpointQua
   return w13, w2
 
 
-def _float(ckpt: SafetensorsDir, name: str) -> np.ndarray:
-  a = ckpt.get(name)
+def _float(ckpt: SafetensorsDir, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+  # Raw fused tensors and their biases all lead with the expert axis.
+  a = ckpt.get(name) if rows is None else ckpt.get_rows(name, *rows)
   if not quantized.is_float_dtype(a.dtype):
     raise ValueError(f"{ckpt.where(name)} has dtype {a.dtype}; a raw fused expert tensor must be "
                      "floating point (int4 fused experts are stored as .weight_packed)")
   return a
 
 
-def _optional_float(ckpt: SafetensorsDir, name: str) -> np.ndarray | None:
-  return _float(ckpt, name) if name in ckpt else None
+def _optional_float(ckpt: SafetensorsDir, name: str,
+                    rows: tuple[int, int] | None = None) -> np.ndarray | None:
+  return _float(ckpt, name, rows) if name in ckpt else None
 
 
 def load_moe_layer(ckpt: SafetensorsDir, layout: ExpertsLayout | str,
                    qcfg: CheckpointQuantConfig, *, fused_layout: str = "auto",
                    hidden_size: int | None = None,
-                   intermediate_size: int | None = None) -> MoELayerTensors:
+                   intermediate_size: int | None = None,
+                   experts: Sequence[int] | None = None) -> MoELayerTensors:
   """Reads one layer's experts (and its router when present) as `MoELayerTensors`.
 
   Args:
@@ -473,23 +515,34 @@ def load_moe_layer(ckpt: SafetensorsDir, layout: ExpertsLayout | str,
       rows: transformers 5) or "interleaved" (gate/up alternating: GPT-OSS's [E, H, 2I]; for a
       3-D module weight `gate_up_proj.weight[_packed]`, alternating output rows).
     hidden_size, intermediate_size: H and I from config.json; when given, the layer must have them.
+    experts: sorted distinct expert ids to read (None: all). The result holds only these, in this
+      order (`num_experts` is their count); per-expert tensors of other experts are not read, and
+      of stacked / fused [E, ...] tensors only these experts' rows are (by byte range), so a
+      process holding a block of the experts never reads the others. The router is read whole.
   """
   if fused_layout not in FUSED_LAYOUTS:
     raise ValueError(f"fused_layout={fused_layout!r} is not one of {FUSED_LAYOUTS}")
   if isinstance(layout, str):
     layout = find_moe_layout(ckpt, layout)
   ex = layout.experts
-  if layout.storage == "fused":
-    w13, w2 = _load_fused(ckpt, layout, qcfg, fused_layout, hidden_size, intermediate_size)
-  elif layout.storage == "stacked":
-    gate, up, down = (_read(ckpt, f"{ex}.{p}", qcfg) for p in layout.projs)
-    w13, w2 = _join_gate_up(gate, up, ex), down
+  if layout.storage in ("fused", "stacked"):
+    runs = _expert_runs(experts, _stacked_experts(ckpt, layout), ex) or [None]
+    parts = []
+    for rows in runs:
+      if layout.storage == "fused":
+        parts.append(_load_fused(ckpt, layout, qcfg, fused_layout, hidden_size,
+                                 intermediate_size, rows))
+      else:
+        gate, up, down = (_read(ckpt, f"{ex}.{p}", qcfg, rows) for p in layout.projs)
+        parts.append((_join_gate_up(gate, up, ex), down))
+    w13, w2 = _concat_projs([p[0] for p in parts]), _concat_projs([p[1] for p in parts])
   elif layout.storage == "per_expert":
     if layout.num_experts < 1:
       raise ValueError(f"{ex}: no experts")
-    gate_name, up_name, down_name = layout.projs
+    runs = _expert_runs(experts, layout.num_experts, ex)
+    ids = range(layout.num_experts) if runs is None else [e for a, b in runs for e in range(a, b)]
     w13s, w2s = [], []
-    for e in range(layout.num_experts):
+    for e in ids:
       base = f"{ex}.{e}"
       gate, up, down = (_read(ckpt, f"{base}.{p}", qcfg) for p in layout.projs)
       w13s.append(_join_gate_up(gate, up, base))

@@ -110,32 +110,43 @@ def _fail(ckpt: SafetensorsDir, name: str, message: str) -> CheckpointFormatErro
                                tensor=name)
 
 
-def _get(ckpt: SafetensorsDir, name: str) -> np.ndarray:
+def _read_part(ckpt: SafetensorsDir, name: str, rows: tuple[int, int] | None) -> np.ndarray:
+  """The tensor, or with `rows` the experts [start, stop) of a tensor with an expert axis (2-D
+  and up: weights [E, out, in], scales, biases [E, out], g_idx [E, in]), reading only their
+  bytes. 1-D tensors (weight_shape, a g_idx shared by all experts) are read whole."""
+  if rows is None or len(ckpt.get_shape(name)) < 2:
+    return ckpt.get(name)
+  return ckpt.get_rows(name, *rows)
+
+
+def _get(ckpt: SafetensorsDir, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
   """A tensor that the storage requires: its absence is a format error, not a KeyError."""
   if name not in ckpt:
     owner = name.rsplit(".", 1)[0]
     raise CheckpointFormatError(f"is missing: {owner!r} is stored int4 and needs it",
                                 path=ckpt.path, tensor=name)
-  return ckpt.get(name)
+  return _read_part(ckpt, name, rows)
 
 
-def _integer(ckpt: SafetensorsDir, name: str, kinds: str = "iu") -> np.ndarray:
-  a = _get(ckpt, name)
+def _integer(ckpt: SafetensorsDir, name: str, kinds: str = "iu",
+             rows: tuple[int, int] | None = None) -> np.ndarray:
+  a = _get(ckpt, name, rows)
   if a.dtype.kind not in kinds:
     raise _fail(ckpt, name, f"must hold integers, has dtype {a.dtype}")
   return a
 
 
-def _float_tensor(ckpt: SafetensorsDir, name: str) -> np.ndarray:
-  a = _get(ckpt, name)
+def _float_tensor(ckpt: SafetensorsDir, name: str,
+                  rows: tuple[int, int] | None = None) -> np.ndarray:
+  a = _get(ckpt, name, rows)
   if not is_float_dtype(a.dtype):
     raise _fail(ckpt, name, f"must be floating point, has dtype {a.dtype}")
   return a
 
 
-def _read_compressed(ckpt: SafetensorsDir, p: str):
+def _read_compressed(ckpt: SafetensorsDir, p: str, rows: tuple[int, int] | None = None):
   name = f"{p}.weight_packed"
-  packed = ckpt.get(name)
+  packed = _read_part(ckpt, name, rows)
   if packed.ndim < 2:
     raise _fail(ckpt, name, f"must be [..., out, in/8], has shape {packed.shape}")
   if packed.dtype == np.uint8:
@@ -151,18 +162,19 @@ def _read_compressed(ckpt: SafetensorsDir, p: str):
   if shape_name in ckpt:
     shape = _integer(ckpt, shape_name).reshape(-1)
     want = list(q.shape)
+    want[:-1] = ckpt.get_shape(name)[:-1]  # the whole tensor's, also when only rows are read
     if (shape.size != q.ndim or list(shape[:-1]) != want[:-1]
         or not want[-1] - per_word < int(shape[-1]) <= want[-1]):
       raise _fail(ckpt, shape_name, f"{shape.tolist()} does not fit weight_packed "
                                     f"{list(packed.shape)} ({packed.dtype})")
     q = q[..., :int(shape[-1])]
   zp_name = f"{p}.weight_zero_point"
-  if zp_name in ckpt and np.any(_integer(ckpt, zp_name) != 0):
+  if zp_name in ckpt and np.any(_integer(ckpt, zp_name, rows=rows) != 0):
     raise _fail(ckpt, zp_name, "holds non-zero zero points: asymmetric int4 weights are not "
                                "supported")
-  scale = _float_tensor(ckpt, f"{p}.weight_scale")
+  scale = _float_tensor(ckpt, f"{p}.weight_scale", rows)
   g_name = f"{p}.weight_g_idx"
-  g_idx = _integer(ckpt, g_name) if g_name in ckpt else None
+  g_idx = _integer(ckpt, g_name, rows=rows) if g_name in ckpt else None
   return q, scale, g_idx
 
 
@@ -228,23 +240,31 @@ def _check_g_idx(ckpt: SafetensorsDir, name: str, g_idx: np.ndarray, lead: tuple
   return np.ascontiguousarray(g_idx)
 
 
-def read_projection(ckpt: SafetensorsDir, prefix: str, qcfg: CheckpointQuantConfig
+def read_projection(ckpt: SafetensorsDir, prefix: str, qcfg: CheckpointQuantConfig, *,
+                    rows: tuple[int, int] | None = None
                     ) -> tuple[np.ndarray | Int4Projection, np.ndarray | None]:
   """One projection as stored: (float weight `[..., out, in]` or `Int4Projection`, bias or None).
 
   The storage is decided from the tensors present (`storage_format`); int4 tensors must agree with
   `qcfg` (method and group size). Shapes, dtypes and g_idx are validated; errors name the tensor
-  and its file.
+  and its file. `rows=(start, stop)`: of a 3-D (stacked experts) projection, only experts
+  [start, stop), reading only their bytes.
   """
   fmt = storage_format(ckpt, prefix)
+  if rows is not None:
+    lead = ckpt.get_shape(f"{prefix}.{_suffixes([fmt])[0]}")
+    if fmt == "gptq" or len(lead) != 3:
+      raise _fail(ckpt, f"{prefix}.{_suffixes([fmt])[0]}",
+                  f"has shape {list(lead)}: reading some experts needs a 3-D [E, out, in] "
+                  f"{'float' if fmt == 'float' else 'compressed-tensors'} tensor")
   bias_name = f"{prefix}.bias"
-  bias = _float_tensor(ckpt, bias_name) if bias_name in ckpt else None
+  bias = _float_tensor(ckpt, bias_name, rows) if bias_name in ckpt else None
   if fmt == "float":
     name = f"{prefix}.weight"
     if f"{prefix}.weight_scale" in ckpt:
       raise _fail(ckpt, name, f"comes with {prefix}.weight_scale: quantized float/int8 weights "
                               "(e.g. FP8, naive-quantized) are not supported")
-    w = _float_tensor(ckpt, name)
+    w = _float_tensor(ckpt, name, rows)
     if w.ndim < 2:
       raise _fail(ckpt, name, f"must be [..., out, in], has shape {w.shape}")
     _check_bias(ckpt, bias_name, bias, w.shape[:-1])
@@ -259,7 +279,7 @@ def read_projection(ckpt: SafetensorsDir, prefix: str, qcfg: CheckpointQuantConf
     q, scale, g_idx = _read_gptq(ckpt, prefix, qcfg)
     g_name = f"{prefix}.g_idx"
   else:
-    q, scale, g_idx = _read_compressed(ckpt, prefix)
+    q, scale, g_idx = _read_compressed(ckpt, prefix, rows)
     g_name = f"{prefix}.weight_g_idx"
   scale_name = f"{prefix}.{'scales' if fmt == 'gptq' else 'weight_scale'}"
   if scale.ndim != q.ndim or scale.shape[:-1] != q.shape[:-1] or scale.shape[-1] < 1:

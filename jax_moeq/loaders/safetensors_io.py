@@ -271,24 +271,51 @@ def read_header(path: str | os.PathLike, *, max_header_bytes: int = MAX_HEADER_B
   return infos, metadata
 
 
-def read_tensor(info: TensorInfo, name: str) -> np.ndarray:
-  """Reads exactly the validated byte range of one tensor into a fresh (writable) array."""
+def _read_bytes(file: Path, start: int, nbytes: int, name: str) -> np.ndarray:
+  """Exactly `nbytes` bytes at absolute offset `start` of `file` (the one place tensor data is
+  read, so that a test can see which byte ranges a load touched)."""
+  buf = np.empty(nbytes, np.uint8)
+  try:
+    with open(file, "rb") as f:
+      f.seek(start)
+      got = f.readinto(memoryview(buf)) if nbytes else 0
+  except OSError as e:
+    raise CheckpointFormatError(f"cannot read: {e.strerror or e}", path=file,
+                                tensor=name) from None
+  if got != nbytes:
+    raise CheckpointFormatError(f"read {got} of {nbytes} bytes: the file was truncated after "
+                                "it was opened", path=file, tensor=name)
+  return buf
+
+
+def _numpy_dtype(info: TensorInfo, name: str) -> np.dtype:
   dtype = info.numpy_dtype
   if dtype is None:
     raise CheckpointFormatError(f"dtype {info.dtype} is packed below a byte and has no numpy form",
                                 path=info.file, tensor=name)
-  buf = np.empty(info.nbytes, np.uint8)
-  try:
-    with open(info.file, "rb") as f:
-      f.seek(info.start)
-      got = f.readinto(memoryview(buf)) if info.nbytes else 0
-  except OSError as e:
-    raise CheckpointFormatError(f"cannot read: {e.strerror or e}", path=info.file,
-                                tensor=name) from None
-  if got != info.nbytes:
-    raise CheckpointFormatError(f"read {got} of {info.nbytes} bytes: the file was truncated after "
-                                "it was opened", path=info.file, tensor=name)
-  return buf.view(dtype).reshape(info.shape)
+  return dtype
+
+
+def read_tensor(info: TensorInfo, name: str) -> np.ndarray:
+  """Reads exactly the validated byte range of one tensor into a fresh (writable) array."""
+  dtype = _numpy_dtype(info, name)
+  return _read_bytes(info.file, info.start, info.nbytes, name).view(dtype).reshape(info.shape)
+
+
+def read_tensor_rows(info: TensorInfo, name: str, start: int, stop: int) -> np.ndarray:
+  """Rows [start, stop) of a tensor's leading axis, reading only their bytes (rows are
+  contiguous in a row-major tensor): e.g. some experts of a stacked [E, out, in] tensor."""
+  dtype = _numpy_dtype(info, name)
+  if not info.shape:
+    raise CheckpointFormatError("is a scalar: it has no rows to read", path=info.file,
+                                tensor=name)
+  rows = info.shape[0]
+  if not 0 <= start <= stop <= rows:
+    raise ValueError(f"{info.file}: tensor {name!r}: rows [{start}, {stop}) are outside its "
+                     f"{rows} rows")
+  row_bytes = info.nbytes // rows if rows else 0
+  data = _read_bytes(info.file, info.start + start * row_bytes, (stop - start) * row_bytes, name)
+  return data.view(dtype).reshape((stop - start,) + info.shape[1:])
 
 
 # ------------------------------------------------------------------ sharded index
@@ -419,6 +446,10 @@ class SafetensorsDir:
   # -- data
   def get(self, name: str) -> np.ndarray:
     return read_tensor(self.info(name), name)
+
+  def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of the tensor's leading axis; only their bytes are read."""
+    return read_tensor_rows(self.info(name), name, start, stop)
 
   def get_optional(self, name: str) -> np.ndarray | None:
     return self.get(name) if name in self else None

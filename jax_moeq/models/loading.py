@@ -24,6 +24,7 @@ import numpy as np
 from jax_moeq.models import config as config_lib
 from jax_moeq.models import decoder
 from jax_moeq.models import mixtral, olmoe, qwen3_moe
+from jax_moeq.models import sharded as sharded_lib
 
 logger = logging.getLogger("jax_moeq.models")
 
@@ -137,7 +138,8 @@ class _CheckpointSource:
       _check_float(b, self._where(f"{prefix}.bias"))
     return w, b
 
-  def moe_layer(self, index: int):
+  def moe_layer(self, index: int, experts: tuple[int, ...] | None = None):
+    """Layer `index`'s experts (only `experts`, when given: no other expert's bytes are read)."""
     cfg = self.cfg
     layout = self._layouts.get(index)
     want = f"{cfg.moe_prefix(index)}.experts"
@@ -147,12 +149,17 @@ class _CheckpointSource:
     if layout.experts != want:
       raise ValueError(f"{self.path}: layer {index}'s experts are under {layout.experts!r}, the "
                        f"{cfg.model_type} layout puts them under {want!r}")
-    layer = self._loaders.load_moe_layer(self.ckpt, layout, self.qcfg)
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    if (layer.num_experts, layer.hidden_size, layer.intermediate_size) != (e, h, i):
+    if layout.num_experts not in (-1, e):
+      raise ValueError(f"{self.path}: layer {index}'s experts are E={layout.num_experts}; "
+                       f"config.json says E={e}")
+    layer = self._loaders.load_moe_layer(self.ckpt, layout, self.qcfg, experts=experts)
+    held = e if experts is None else len(experts)
+    if (layer.num_experts, layer.hidden_size, layer.intermediate_size) != (held, h, i):
       raise ValueError(f"{self.path}: layer {index}'s experts are E={layer.num_experts}, "
                        f"H={layer.hidden_size}, I={layer.intermediate_size}; config.json says "
-                       f"E={e}, H={h}, I={i}")
+                       f"E={e}, H={h}, I={i}"
+                       + ("" if experts is None else f" ({held} of them read here)"))
     if layer.router_weight is None:
       layer.router_weight, _ = self.linear(f"{cfg.moe_prefix(index)}.gate", e, h)
     _check_shape(layer.router_weight, (e, h), self._where(f"{cfg.moe_prefix(index)}.gate.weight"))
@@ -296,15 +303,18 @@ def _plan_quantization(qcfg, cfg: config_lib.DecoderConfig, quantization: str | 
 def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: str | None = None,
                 group_size: int | None = None, moe_backend: str = "auto", qcfg=None,
                 allow_activation_quantization: bool | None = None, float_impl: str = "auto",
-                generation_config: dict | None = None, show_progress: bool = True
-                ) -> decoder.MoECausalLM:
-  """Builds the model layer by layer from a tensor source (checkpoint or random)."""
+                generation_config: dict | None = None, show_progress: bool = True,
+                shard: sharded_lib.ShardPlan | None = None) -> decoder.MoECausalLM:
+  """Builds the model layer by layer from a tensor source (checkpoint or random); with `shard`,
+  only this process's experts of each MoE layer are read, and the model is placed on its mesh."""
   from jax_moeq.loaders import CheckpointQuantConfig, Progress
   qcfg = qcfg if qcfg is not None else CheckpointQuantConfig()
   scheme, quantize_to, group_size, allow = _plan_quantization(qcfg, cfg, quantization,
                                                               group_size)
   if allow_activation_quantization is not None:
     allow = allow or allow_activation_quantization
+  if shard is not None:
+    sharded_lib.check_w4a8(scheme, quantize_to, allow)
   h, v = cfg.hidden_size, cfg.vocab_size
   embed = source.tensor("model.embed_tokens.weight", (v, h))
   layers = []
@@ -312,7 +322,11 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
   with Progress(cfg.num_layers, desc, enabled=show_progress) as bar:
     for index in range(cfg.num_layers):
       weights = _attention_weights(source, cfg, index)
-      if cfg.sparse_layers[index]:
+      if cfg.sparse_layers[index] and shard is not None:
+        mlp = sharded_lib.sharded_moe_block(
+            source.moe_layer(index, shard.experts(cfg.num_experts)), cfg, dtype, shard,
+            quantize_to=quantize_to, group_size=group_size, quantize_fn=_quantize_experts)
+      elif cfg.sparse_layers[index]:
         mlp = _moe_block(source.moe_layer(index), cfg, dtype, scheme=scheme,
                          quantize_to=quantize_to, group_size=group_size, moe_backend=moe_backend,
                          allow_activation_quantization=allow, float_impl=float_impl)
@@ -324,15 +338,20 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
   lm_head = None
   if not cfg.tie_word_embeddings or source.has("lm_head.weight"):
     lm_head = source.linear("lm_head", v, h)[0]
-  return decoder.MoECausalLM(cfg, embed, layers, norm, lm_head, dtype,
-                             generation_config=generation_config,
-                             quantization=quantize_to or scheme)
+  model = decoder.MoECausalLM(cfg, embed, layers, norm, lm_head, dtype,
+                              generation_config=generation_config,
+                              quantization=quantize_to or scheme)
+  if shard is not None:
+    sharded_lib.replicate_on_mesh(model, shard.mesh)
+  return model
 
 
 def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = None,
                     moe_backend: str = "auto", group_size: int | None = None,
                     allow_activation_quantization: bool | None = None, float_impl: str = "auto",
-                    show_progress: bool = True) -> decoder.MoECausalLM:
+                    show_progress: bool = True, mesh=None, expert_axis: str | None = "ep",
+                    tensor_axis: str | None = None, dispatch: str = "replicated",
+                    capacity_factor: float | None = 2.0) -> decoder.MoECausalLM:
   """Loads a Hugging Face MoE checkpoint directory (qwen3_moe, mixtral, olmoe) as an NNX model.
 
   Args:
@@ -353,6 +372,17 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
       (default: only when the checkpoint or `quantization` is W4A8).
     float_impl: the computation of float MoE blocks ("auto", "gather", "dense", "ragged_dot";
       `jax_moeq.nn.MoE`).
+    mesh: a `jax.sharding.Mesh` of CPU devices (`jax_moeq.sharding.make_mesh`) to split the
+      experts over (expert and/or tensor parallelism, `jax_moeq.sharding`). Each process reads
+      only the experts of its own devices' EP ranks (rank r: experts [r*E/n_ep, (r+1)*E/n_ep);
+      of stacked [E, ...] tensors only those rows' bytes) and places them on those devices; the
+      other weights are replicated over the mesh. The experts run on the CPU W4A8 kernel:
+      float checkpoints need quantization="w4a8_int8", weight-only int4 ones
+      quantization="w4a8_int8" (or allow_activation_quantization=True). Under
+      `jax.distributed`, every process calls `from_pretrained` with the same global mesh.
+    expert_axis, tensor_axis: mesh axis names for EP and TP (None: not split that way).
+    dispatch: "replicated" or "all_to_all" token dispatch (`jax_moeq.sharding.w4a8_moe_sharded`).
+    capacity_factor: the dispatch's capacity (`w4a8_moe_sharded`).
 
   Returns:
     `MoECausalLM`: `model(input_ids [B, S]) -> logits [B, S, vocab]` (float32), jittable.
@@ -369,12 +399,18 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
   except ValueError as e:
     raise config_lib.ConfigError(f"{path / 'config.json'}: {e}") from None
   dt = resolve_dtype(dtype, cfg)
+  shard = None
+  if mesh is not None:
+    _, _, g, _ = _plan_quantization(qcfg, cfg, quantization, group_size)
+    shard = sharded_lib.make_plan(mesh, cfg, expert_axis=expert_axis, tensor_axis=tensor_axis,
+                                  dispatch=dispatch, capacity_factor=capacity_factor,
+                                  moe_backend=moe_backend, group_size=g)
   source = _CheckpointSource(path, cfg, qcfg)
   model = build_model(cfg, source, dt, quantization=quantization, group_size=group_size,
                       moe_backend=moe_backend, qcfg=qcfg,
                       allow_activation_quantization=allow_activation_quantization,
                       float_impl=float_impl, generation_config=generation,
-                      show_progress=show_progress)
+                      show_progress=show_progress, shard=shard)
   logger.info("loaded %s (%s, %d layers) from %s: experts %s", cfg.model_type, dt,
               cfg.num_layers, path, model.moe_backends())
   return model
