@@ -43,14 +43,14 @@ namespace jax_moeq::cuda {
 namespace {
 
 constexpr int kW8BlockM = 128;   // tokens per expert block (wgmma N)
-constexpr int kW8Threads = 256;  // two warpgroups
+constexpr int kW8Threads = 512;  // four warpgroups
 constexpr int kW8Chunk = 128;    // inputs per pipeline stage (4 k-steps of 32)
 constexpr int kW8Stages = 5;
 constexpr int kW8Ahead = kW8Stages - 2;  // the stage refilled was read two chunks ago
 constexpr int kW8InFlight = 3;
 constexpr int kW8StageTokens = kW8BlockM * kW8Chunk;        // 16 KB of int8
-constexpr int kW8StageWeights = (kW8Threads / 32) * 1024;   // 16 rows x 128 inputs / 2 per warp
-constexpr int kW8StageScales = kW8Threads * 4 * 8;          // up to 4 groups x float2 per thread
+constexpr int kW8StageWeights = 8 * 1024;  // 8 warps' subtiles: 16 rows x 128 inputs / 2 each
+constexpr int kW8StageScales = 256 * 4 * 8;  // up to 4 groups x float2 per lane of those warps
 constexpr int kW8StageBytes = kW8StageTokens + kW8StageWeights + kW8StageScales;  // 32 KB
 constexpr int kW8SmemBytes = kW8Stages * kW8StageBytes + 1024;
 static_assert(kW8StageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
@@ -250,17 +250,18 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   const uint32_t smem = (SharedAddress(w8_smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int wg = warp >> 2;
+  // Warpgroup wg: row tile rt = wg & 1 (GEMM1: gate / up), token half = wg >> 1.
+  const int wg = warp >> 2, rt = wg & 1, half = wg >> 1;
   const int n_sub = p.n / 16;
   int sub;
   bool tile_ok = true;
   if constexpr (kGemm1) {
-    sub = (wg ? n_sub / 2 : 0) + 4 * n_tile + (warp & 3);
+    sub = (rt ? n_sub / 2 : 0) + 4 * n_tile + (warp & 3);
   } else {
     // A second tile past N (N % 128 == 64) computes on subtile 0's weights and stores nothing:
     // branching around the MMAs would serialize them.
-    tile_ok = 8 * n_tile + 4 * wg < n_sub;
-    sub = tile_ok ? 8 * n_tile + 4 * wg + (warp & 3) : (warp & 3);
+    tile_ok = 8 * n_tile + 4 * rt < n_sub;
+    sub = tile_ok ? 8 * n_tile + 4 * rt + (warp & 3) : (warp & 3);
   }
   if (tid < kW8BlockM) {
     const int id = __ldg(p.sorted_ids + blk * kW8BlockM + tid);
@@ -269,15 +270,16 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   }
   const int chunks = p.k / kW8Chunk;
 
-  // Token pieces: rows (tid / 8) + 32 i, 16-byte piece tid % 8 (16 inputs), swizzled.
+  // Token pieces: rows (tid / 8) + 64 i, 16-byte piece tid % 8 (16 inputs), swizzled.
+  constexpr int kPieces = kW8BlockM * 8 / kW8Threads;
   const int piece = tid & 7;
   const int row_in_atom = (tid >> 3) & 7;
   const uint32_t tile_off = (tid >> 6) * 1024 + row_in_atom * 128 + ((piece ^ row_in_atom) << 4);
-  const int8_t* xcur[4];
-  uint32_t xbytes[4];
+  const int8_t* xcur[kPieces];
+  uint32_t xbytes[kPieces];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int id = __ldg(p.sorted_ids + blk * kW8BlockM + (tid >> 3) + 32 * i);
+  for (int i = 0; i < kPieces; ++i) {
+    const int id = __ldg(p.sorted_ids + blk * kW8BlockM + (tid >> 3) + 64 * i);
     const bool ok = id < p.num_rows;
     xbytes[i] = ok ? 16 : 0;
     xcur[i] = p.xq + (ok ? static_cast<int64_t>(id / p.in_div) * p.k : 0) + 16 * piece;
@@ -285,22 +287,28 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   const uint4* wcur = p.w + (static_cast<int64_t>(expert) * n_sub + sub) * chunks * 64 + lane * 2;
   const float* sbase =
       p.scales + (static_cast<int64_t>(expert) * n_sub + sub) * p.groups * 16 + 2 * g;
-  const uint32_t weight_off = kW8StageTokens + (warp * 32 + lane) * 32;
-  const uint32_t scale_off = kW8StageTokens + kW8StageWeights + tid * 32;
+  // Both token halves of a row tile read the same weight fragments and scales: the warps of
+  // half 0 copy them, into slots indexed by (row tile, warp in the warpgroup, lane).
+  const int slot = (rt * 4 + (warp & 3)) * 32 + lane;
+  const uint32_t weight_off = kW8StageTokens + slot * 32;
+  const uint32_t scale_off = kW8StageTokens + kW8StageWeights + slot * 32;
+  const bool copies_weights = half == 0;
   constexpr int kGroupsPerChunk = kGroupSteps > 0 ? 4 / kGroupSteps : 0;
   auto issue = [&](int kc, uint32_t st) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      CpAsyncSharedOrZero(st + tile_off + 4096 * i, xcur[i], xbytes[i]);
+    for (int i = 0; i < kPieces; ++i) {
+      CpAsyncSharedOrZero(st + tile_off + 8192 * i, xcur[i], xbytes[i]);
       xcur[i] += kW8Chunk;
     }
-    CpAsyncSharedStream(st + weight_off, wcur);
-    CpAsyncSharedStream(st + weight_off + 16, wcur + 1);
-    wcur += 64;
+    if (copies_weights) {
+      CpAsyncSharedStream(st + weight_off, wcur);
+      CpAsyncSharedStream(st + weight_off + 16, wcur + 1);
 #pragma unroll
-    for (int q = 0; q < kGroupsPerChunk; ++q) {
-      CpAsyncShared8(st + scale_off + 8 * q, sbase + (kc * kGroupsPerChunk + q) * 16);
+      for (int q = 0; q < kGroupsPerChunk; ++q) {
+        CpAsyncShared8(st + scale_off + 8 * q, sbase + (kc * kGroupsPerChunk + q) * 16);
+      }
     }
+    wcur += 64;
   };
 
   uint32_t write_stage = smem;
@@ -313,10 +321,10 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   const uint32_t last_stage = smem + (kW8Stages - 1) * kW8StageBytes;
   uint32_t read_stage = smem;
 
-  float accf[64];
-  int32_t acci[64];
+  float accf[32];
+  int32_t acci[32];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < 32; ++i) {
     accf[i] = 0.0f;
     acci[i] = 0;
   }
@@ -337,7 +345,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
     float2 sc[kGroupsPerChunk > 0 ? kGroupsPerChunk : 1];
 #pragma unroll
     for (int q = 0; q < kGroupsPerChunk; ++q) sc[q] = LdShared64f(st + scale_off + 8 * q);
-    const uint64_t desc = SmemDescSwizzle128(st);
+    const uint64_t desc = SmemDescSwizzle128(st + 8192 * half);  // this warpgroup's 64 tokens
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       a[s][0] = (words[2 * s] << 4) & 0xF0F0F0F0u;
@@ -346,7 +354,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
       a[s][3] = words[2 * s + 1] & 0xF0F0F0F0u;
       WgmmaFence();
       const bool accumulate = kGroupSteps > 0 ? (s % kGroupSteps) != 0 : (c > 0 || s > 0);
-      WgmmaS8M64N128K32(acci, a[s], desc + 2 * s, accumulate);  // + 32 bytes per k-step
+      WgmmaS8M64N64K32(acci, a[s], desc + 2 * s, accumulate);  // + 32 bytes per k-step
       WgmmaCommit();
       if constexpr (kGroupSteps > 0) {
         if ((s + 1) % kGroupSteps == 0) {
@@ -354,7 +362,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
           FenceAccumulators(acci);
           const float2 sp = sc[s / kGroupSteps];
 #pragma unroll
-          for (int i = 0; i < 64; ++i) {
+          for (int i = 0; i < 32; ++i) {
             accf[i] = fmaf((i & 2) ? sp.y : sp.x, SmallIntToFloat(acci[i]), accf[i]);
           }
           FenceAccumulators(acci);
@@ -371,11 +379,11 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   if constexpr (kGroupSteps == 0) {
     const float2 sp = *reinterpret_cast<const float2*>(sbase);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) accf[i] = ((i & 2) ? sp.y : sp.x) * __int2float_rn(acci[i]);
+    for (int i = 0; i < 32; ++i) accf[i] = ((i & 2) ? sp.y : sp.x) * __int2float_rn(acci[i]);
   }
 
   // Epilogue. Accumulator i = 4 j + c: row g + 8 (c >> 1) of the warp's subtile, token column
-  // 8 j + 2 t + (c & 1) of the block.
+  // 64 half + 8 j + 2 t + (c & 1) of the block.
   CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
   __syncthreads();   // every warp has read its last stage (and tok_* are written)
   const int64_t row_base = static_cast<int64_t>(expert) * p.n;
@@ -388,25 +396,25 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   }
   auto output = [&](int i) {
     const int h = (i >> 1) & 1;
-    const float2 tp = tok_param[8 * (i >> 2) + 2 * t + (i & 1)];
+    const float2 tp = tok_param[64 * half + 8 * (i >> 2) + 2 * t + (i & 1)];
     return (accf[i] - tp.y * rc[h]) * tp.x + bias[h];
   };
   if constexpr (kGemm1) {
     float* xch = reinterpret_cast<float*>(w8_smem_raw + (smem - SharedAddress(w8_smem_raw)));
     const int local_row = 16 * (warp & 3) + g;
-    if (wg == 1) {
+    if (rt == 1) {
 #pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        const int col = 8 * (i >> 2) + 2 * t + (i & 1);
+      for (int i = 0; i < 32; ++i) {
+        const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
         xch[(local_row + 8 * ((i >> 1) & 1)) * kW8XchStride + col] = RoundOut<T>(output(i));
       }
     }
     __syncthreads();
-    if (wg == 0) {
+    if (rt == 0) {
       const int half_n = p.n / 2;
 #pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        const int col = 8 * (i >> 2) + 2 * t + (i & 1);
+      for (int i = 0; i < 32; ++i) {
+        const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
         const int id = tok_id[col];
         if (id >= p.num_rows) continue;
         const int h = (i >> 1) & 1;
@@ -419,8 +427,8 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   } else {
     if (!tile_ok) return;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      const int col = 8 * (i >> 2) + 2 * t + (i & 1);
+    for (int i = 0; i < 32; ++i) {
+      const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
       const int id = tok_id[col];
       if (id >= p.num_rows) continue;
       p.ws[static_cast<int64_t>(id) * p.n + sub * 16 + g + 8 * ((i >> 1) & 1)] = output(i);

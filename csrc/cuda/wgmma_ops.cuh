@@ -142,6 +142,32 @@ __device__ __forceinline__ void WgmmaS8M64N128K32(int32_t (&d)[64], const uint32
 #endif
 }
 
+// s32 d[32] (+)= A (64 x 32 int8, registers as WgmmaS8M64N128K32) x B (32 x 64 int8, K-major
+// from the descriptor). Accumulator layout as WgmmaM64N128K16's, columns 0..63.
+__device__ __forceinline__ void WgmmaS8M64N64K32(int32_t (&d)[32], const uint32_t (&a)[4],
+                                                 uint64_t desc_b, bool accumulate) {
+#if JAX_MOEQ_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+      ", {%32, %33, %34, %35}, %36, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
+        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]),
+        "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]),
+        "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate ? 1 : 0));
+#else
+  (void)d;
+  (void)a;
+  (void)desc_b;
+  (void)accumulate;
+  __trap();
+#endif
+}
+
 template <int N>
 __device__ __forceinline__ void FenceAccumulators(int32_t (&d)[N]) {
 #pragma unroll
