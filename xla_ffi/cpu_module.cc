@@ -83,20 +83,19 @@ PYBIND11_MODULE(_cpu_ffi, m) {
     py::dict stages;
     for (int s = 0; s < cpu::kNumStages; ++s) {
       py::dict d;
+      d["wall_ns"] = t.wall_ns[s];
+      d["dispatch_ns"] = t.dispatch_ns[s];
       d["busy_ns"] = t.busy_ns[s];
-      d["wait_ns"] = t.wait_ns[s];
+      d["join_ns"] = t.join_ns[s];
       d["pieces"] = t.pieces[s];
       stages[cpu::W4A8MoeStageName(s)] = d;
     }
     py::dict out;
     out["chunks"] = t.chunks;
-    out["serial_ns"] = t.serial_ns;
-    out["dispatch_ns"] = t.dispatch_ns;
-    out["parallel_ns"] = t.parallel_ns;
     out["stages"] = stages;
     return out;
-  }, "Times (ns, summed) since the last take, then zeroed: {'chunks', 'serial_ns', "
-     "'dispatch_ns', 'parallel_ns', 'stages': {name: {busy_ns, wait_ns, pieces}}}.");
+  }, "Stage times (ns, summed) since the last take, then zeroed: {'chunks', 'stages': {name: "
+     "{wall_ns, dispatch_ns, busy_ns, join_ns, pieces}}}.");
   m.def("w4a8_packed_bytes", &jax_moeq::cpu::W4A8PackedBytes, py::arg("n"), py::arg("k"),
         py::arg("group_size"), "Bytes of one expert's packed weights (N outputs, K inputs).");
 }

@@ -74,7 +74,7 @@ ffi::Error W4A8MoeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (!error.empty()) return Invalid(error);
   const cpu::Isa isa = cpu::SelectIsa(&error);
   if (!error.empty()) return Invalid(error);
-  error = cpu::RunW4A8Moe(p, isa, MakeParallelFor(pool), std::max<int64_t>(1, pool.num_threads()));
+  error = cpu::RunW4A8Moe(p, isa, MakeParallelFor(pool));
   if (!error.empty()) return Invalid(error);
   return ffi::Error::Success();
 }

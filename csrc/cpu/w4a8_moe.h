@@ -61,9 +61,7 @@ std::string ValidateW4A8MoeShapes(const W4A8MoeProblem& problem,
 // expert id is outside [0, experts) contributes nothing to its token. A row of
 // x holding a NaN or an infinity gives NaN in every element of that token's
 // output and changes no other token's output (row_ops' quantize marks it).
-// `threads`: how many threads parallel_for runs on (sizes the GEMMs' work items).
-std::string RunW4A8Moe(const W4A8MoeProblem& problem, Isa isa, const ParallelFor& parallel_for,
-                       int64_t threads = 1);
+std::string RunW4A8Moe(const W4A8MoeProblem& problem, Isa isa, const ParallelFor& parallel_for);
 
 // Scratch bytes one token of `problem` takes, and the tokens a chunk takes.
 int64_t W4A8MoeScratchBytesPerToken(const W4A8MoeProblem& problem);
@@ -72,19 +70,18 @@ int64_t W4A8MoeChunkTokens(const W4A8MoeProblem& problem);
 int64_t W4A8MoeScratchHighWater();
 
 // Where a call's time goes (benchmarks/cpu_moe_bench.py --time-split): while enabled, every
-// chunk adds its serial part (bucketing, planning), the time from its one parallel launch to
-// the first item starting (dispatch), the launch's wall time, and per stage the items' summed
-// run time (busy) and time spent waiting for their inputs (wait). Off by default; a few clock
-// reads per item when on.
-enum W4A8MoeStage { kStageQuantize, kStageGemm1, kStageActivate, kStageGemm2, kStageCombine,
-                    kNumStages };
+// chunk adds its stages' wall times, and each parallel stage the time from its launch to the
+// first piece starting on any thread (dispatch), the pieces' summed run time (busy), and the
+// time from the last piece ending to the launch returning (join). Off by default; a few clock
+// reads per stage when on.
+enum W4A8MoeStage { kStageRoute, kStageQuantize, kStageGemm1, kStageActivate, kStageGemm2,
+                    kStageCombine, kNumStages };
 struct W4A8MoeStageTimes {
   int64_t chunks = 0;
-  int64_t serial_ns = 0;
-  int64_t dispatch_ns = 0;
-  int64_t parallel_ns = 0;
+  int64_t wall_ns[kNumStages] = {};
+  int64_t dispatch_ns[kNumStages] = {};
   int64_t busy_ns[kNumStages] = {};
-  int64_t wait_ns[kNumStages] = {};
+  int64_t join_ns[kNumStages] = {};
   int64_t pieces[kNumStages] = {};
 };
 const char* W4A8MoeStageName(int stage);
