@@ -146,8 +146,8 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
     return Invalid(kMoe, "activation scratch must hold T * K rows of I (x's dtype and int8) and "
                          "float32 [T * K, 2]");
   }
-  if (!at_least(ws2, rows * H, ffi::F32)) {
-    return Invalid(kMoe, "ws2 scratch must hold T * K * H floats");
+  if (!at_least(ws2, rows * H, x.element_type())) {
+    return Invalid(kMoe, "ws2 scratch must hold T * K * H elements of x's dtype");
   }
 
   p.x = x.untyped_data();
@@ -170,7 +170,7 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.act = act->untyped_data();
   p.qact = static_cast<int8_t*>(qact->untyped_data());
   p.act_params = static_cast<float*>(act_params->untyped_data());
-  p.ws2 = static_cast<float*>(ws2->untyped_data());
+  p.ws2 = ws2->untyped_data();
   err = cuda::RunW4a8Moe(p, stream);
   if (!err.empty()) return ffi::Error::Internal(std::string(kMoe) + ": " + err);
   return ffi::Error::Success();

@@ -211,6 +211,123 @@ __global__ void __launch_bounds__(kQuantThreads)
   if (threadIdx.x == 0) params[r] = make_float2(scale, static_cast<float>(zp));
 }
 
+// The same quantizer with one warp per row and 16-byte loads (rows of at most
+// kQuantWarpMaxCols elements, a multiple of 16 / sizeof(T); row starts 16-byte aligned): the
+// CTA-per-row form spent most of its time in the block reduction and launch at I = 768.
+constexpr int kQuantWarpMaxCols = 4096;
+constexpr int kQuantWarpsPerCta = 8;
+
+template <typename T>
+__device__ __forceinline__ void UnpackVec(const uint4& raw, float (&v)[16 / sizeof(T)]) {
+  if constexpr (std::is_same_v<T, float>) {
+    v[0] = __uint_as_float(raw.x);
+    v[1] = __uint_as_float(raw.y);
+    v[2] = __uint_as_float(raw.z);
+    v[3] = __uint_as_float(raw.w);
+  } else {
+    const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = ToFloat(h[i]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
+    W4a8QuantizeRowsWarpKernel(const T* x, int in_div, const float* row_weights,
+                               const int32_t* row_experts, int experts, int cols, int rows,
+                               int8_t* q, float2* params) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  constexpr int kVec = 16 / sizeof(T);
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * kQuantWarpsPerCta + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  if (row_experts) {
+    const int e = row_experts[r];
+    if (e < 0 || e >= experts) return;
+  }
+  const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(r / in_div) * cols);
+  const bool weighted = row_weights != nullptr;
+  const float w = weighted ? row_weights[r] : 1.0f;
+  const int vecs = cols / kVec;
+  float mn = 0.0f, mx = 0.0f;
+  int bad = 0;
+  for (int j = lane; j < vecs; j += 32) {
+    float v[kVec];
+    UnpackVec<T>(__ldg(src + j), v);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float a = weighted ? RoundOut<T>(__fmul_rn(v[i], w)) : v[i];
+      mn = fminf(mn, a);
+      mx = fmaxf(mx, a);
+      bad |= !isfinite(a);
+    }
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, d));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, d);
+  }
+  float scale = __fdiv_rn(__fsub_rn(mx, mn), 255.0f);
+  float inv = __fdiv_rn(1.0f, scale);
+  const bool empty = (mx == mn) || !(inv <= FLT_MAX);
+  if (empty) {
+    scale = 0.0f;
+    inv = 0.0f;
+  }
+  const float min_term = __fadd_rn(-128.0f, __fmul_rn(mn, inv));
+  const float max_term = __fadd_rn(127.0f, __fmul_rn(mx, inv));
+  float zpf = __fadd_rn(min_term, max_term) > 0.0f ? __fsub_rn(-128.0f, __fmul_rn(mn, inv))
+                                                   : __fsub_rn(127.0f, __fmul_rn(mx, inv));
+  zpf = fminf(fmaxf(zpf, -128.0f), 127.0f);
+  int zp = empty ? 0 : __float2int_rn(zpf);
+  if (bad) {
+    zp = 0;
+    scale = __int_as_float(0x7fc00000);
+  }
+  int8_t* dst = q + static_cast<int64_t>(r) * cols;
+  for (int j = lane; j < vecs; j += 32) {
+    float v[kVec];
+    UnpackVec<T>(__ldg(src + j), v);
+    uint32_t packed[kVec / 4];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      int qa = 0;
+      if (!empty && !bad) {
+        const float a = weighted ? RoundOut<T>(__fmul_rn(v[i], w)) : v[i];
+        qa = min(127, max(-128, __float2int_rn(__fmul_rn(a, inv)) + zp));
+      }
+      if (i % 4 == 0) packed[i / 4] = 0;
+      packed[i / 4] |= (static_cast<uint32_t>(qa) & 0xFFu) << (8 * (i % 4));
+    }
+    if constexpr (kVec == 8) {
+      reinterpret_cast<uint2*>(dst)[j] = make_uint2(packed[0], packed[1]);
+    } else {
+      reinterpret_cast<uint32_t*>(dst)[j] = packed[0];
+    }
+  }
+  if (lane == 0) params[r] = make_float2(scale, static_cast<float>(zp));
+}
+
+// Launches the warp-per-row form where it applies, else the CTA-per-row one.
+template <typename T>
+void LaunchQuantizeRows(const T* x, int in_div, const float* row_weights,
+                        const int32_t* row_experts, int experts, int cols, int rows, int8_t* q,
+                        float2* params, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (cols % kVec == 0 && cols <= kQuantWarpMaxCols &&
+      reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    const unsigned ctas = static_cast<unsigned>((rows + kQuantWarpsPerCta - 1) / kQuantWarpsPerCta);
+    LaunchAfterPrior(W4a8QuantizeRowsWarpKernel<T>, dim3(ctas), dim3(kQuantWarpsPerCta * 32), 0,
+                     stream, x, in_div, row_weights, row_experts, experts, cols, rows, q, params);
+  } else {
+    LaunchAfterPrior(W4a8QuantizeRowsKernel<T>, dim3(static_cast<unsigned>(rows)),
+                     dim3(kQuantThreads), 0, stream, x, in_div, row_weights, row_experts, experts,
+                     cols, rows, q, params);
+  }
+}
+
 // ------------------------------------------------------------------ the GEMM
 struct W4a8GemmArgs {
   const int8_t* xq = nullptr;      // quantized input rows, row stride k
@@ -228,7 +345,7 @@ struct W4a8GemmArgs {
   int n = 0, k = 0, groups = 1;
   int activation = 0;
   void* act = nullptr;             // GEMM1: [rows][n / 2] in T
-  float* ws = nullptr;             // GEMM2: [rows][n] f32
+  void* ws = nullptr;              // GEMM2: [rows][n] in T, rounded (the reference rounds y2)
 };
 
 // kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales.
@@ -431,7 +548,8 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
       const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
       const int id = tok_id[col];
       if (id >= p.num_rows) continue;
-      p.ws[static_cast<int64_t>(id) * p.n + sub * 16 + g + 8 * ((i >> 1) & 1)] = output(i);
+      StoreOut<T>(p.ws, static_cast<int64_t>(id) * p.n + sub * 16 + g + 8 * ((i >> 1) & 1),
+                  output(i));
     }
   }
 }
@@ -466,7 +584,7 @@ std::string LaunchW4a8Gemm(const W4a8GemmArgs& args, dim3 grid, cudaStream_t str
 // reference's rounding (reference._combine_rounded), which differs from FinalizeTokenColumn's
 // (WNA16: one f32 sum, one rounding), so the WNA16 finalize is not reused here.
 template <typename T>
-__global__ void W4a8FinalizeKernel(const float* ws, const int32_t* topk_ids,
+__global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids,
                                    const float* topk_weights, int top_k, int hidden, int tokens,
                                    int experts, bool weight_on_input, void* out) {
   WaitForPriorGrids();
@@ -474,14 +592,33 @@ __global__ void W4a8FinalizeKernel(const float* ws, const int32_t* topk_ids,
   const int t = blockIdx.x;
   const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (t >= tokens || n >= hidden) return;
+  using Stored = std::conditional_t<std::is_same_v<T, float>, float, T>;
+  const Stored* rows = static_cast<const Stored*>(ws);
+  // Eight pairs' loads are issued before any is used (ids, then rows and weights), as in
+  // FinalizeTokenColumn; the sum keeps the order of k.
+  constexpr int kBatch = 8;
   float sum = 0.0f;
-  for (int k = 0; k < top_k; ++k) {
-    const int pair = t * top_k + k;
-    const int e = __ldg(topk_ids + pair);
-    if (e < 0 || e >= experts) continue;
-    float v = RoundOut<T>(__ldcg(ws + static_cast<int64_t>(pair) * hidden + n));
-    if (!weight_on_input) v = RoundOut<T>(__fmul_rn(v, __ldg(topk_weights + pair)));
-    sum = RoundOut<T>(__fadd_rn(sum, v));
+  for (int k0 = 0; k0 < top_k; k0 += kBatch) {
+    int e[kBatch];
+    float y[kBatch], w[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      e[j] = k0 + j < top_k ? __ldg(topk_ids + t * top_k + k0 + j) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int pair = t * top_k + k0 + j;
+      const bool in = e[j] >= 0 && e[j] < experts;
+      w[j] = in && !weight_on_input ? __ldg(topk_weights + pair) : 1.0f;
+      y[j] = in ? ToFloat(rows[static_cast<int64_t>(pair) * hidden + n]) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (e[j] < 0 || e[j] >= experts) continue;
+      float v = y[j];  // rounded to T by GEMM2
+      if (!weight_on_input) v = RoundOut<T>(__fmul_rn(v, w[j]));
+      sum = RoundOut<T>(__fadd_rn(sum, v));
+    }
   }
   StoreOut<T>(out, static_cast<int64_t>(t) * hidden + n, sum);
 }
@@ -511,11 +648,11 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
 
   // 2. GEMM1's input rows in int8: per token, or per pair (x[t] * w[t][k] rounded) when the
   // router weight goes on the input.
-  LaunchAfterPrior(W4a8QuantizeRowsKernel<T>, dim3(static_cast<unsigned>(in_rows)),
-                   dim3(kQuantThreads), 0, stream, static_cast<const T*>(p.x),
-                   p.weight_on_input ? K : 1, p.weight_on_input ? p.topk_weights : nullptr,
-                   p.weight_on_input ? p.topk_ids : nullptr, E, H, static_cast<int>(in_rows),
-                   p.qx, reinterpret_cast<float2*>(p.x_params));
+  LaunchQuantizeRows<T>(static_cast<const T*>(p.x), p.weight_on_input ? K : 1,
+                        p.weight_on_input ? p.topk_weights : nullptr,
+                        p.weight_on_input ? p.topk_ids : nullptr, E, H,
+                        static_cast<int>(in_rows), p.qx, reinterpret_cast<float2*>(p.x_params),
+                        stream);
   err = CudaError("input quantization kernel");
   if (!err.empty()) return err;
 
@@ -545,14 +682,13 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   if (!err.empty()) return err;
 
   // 4. The activation rows in int8 (pairs without a valid expert are skipped).
-  LaunchAfterPrior(W4a8QuantizeRowsKernel<T>, dim3(static_cast<unsigned>(rows)),
-                   dim3(kQuantThreads), 0, stream, static_cast<const T*>(p.act), 1,
-                   static_cast<const float*>(nullptr), p.topk_ids, E, I, static_cast<int>(rows),
-                   p.qact, reinterpret_cast<float2*>(p.act_params));
+  LaunchQuantizeRows<T>(static_cast<const T*>(p.act), 1, nullptr, p.topk_ids, E, I,
+                        static_cast<int>(rows), p.qact, reinterpret_cast<float2*>(p.act_params),
+                        stream);
   err = CudaError("activation quantization kernel");
   if (!err.empty()) return err;
 
-  // 5. GEMM2 into f32 rows (bias included); N tiles fastest so the CTAs of one token block run
+  // 5. GEMM2 into rows of T (bias included, rounded as the reference rounds y2); N tiles fastest so the CTAs of one token block run
   // together and read its rows once.
   W4a8GemmArgs g2 = g1;
   g2.xq = p.qact;
@@ -570,12 +706,12 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   const unsigned n_tiles2 = static_cast<unsigned>((H + 127) / 128);
   if (max_blocks <= 65535) {
     g2.blk_on_x = false;
-    err = LaunchW4a8Gemm<float, false>(g2, dim3(n_tiles2, static_cast<unsigned>(max_blocks)),
-                                       stream);
+    err = LaunchW4a8Gemm<T, false>(g2, dim3(n_tiles2, static_cast<unsigned>(max_blocks)),
+                                   stream);
   } else {
     g2.blk_on_x = true;
-    err = LaunchW4a8Gemm<float, false>(g2, dim3(static_cast<unsigned>(max_blocks), n_tiles2),
-                                       stream);
+    err = LaunchW4a8Gemm<T, false>(g2, dim3(static_cast<unsigned>(max_blocks), n_tiles2),
+                                   stream);
   }
   if (!err.empty()) return err;
   err = CudaError("GEMM2 kernel");
@@ -583,7 +719,7 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
 
   // 6. Rounded top-k weighting and the sum over slots.
   LaunchAfterPrior(W4a8FinalizeKernel<T>, dim3(static_cast<unsigned>(p.tokens), (H + 255) / 256),
-                   dim3(256), 0, stream, static_cast<const float*>(p.ws2), p.topk_ids,
+                   dim3(256), 0, stream, static_cast<const void*>(p.ws2), p.topk_ids,
                    p.topk_weights, K, H, static_cast<int>(p.tokens), E, p.weight_on_input,
                    p.out);
   return CudaError("finalize kernel");
@@ -660,21 +796,20 @@ std::string RunW4a8QuantizeRows(W4a8Dtype dtype, const void* x, int64_t rows, in
     return "rows x cols out of range (rows * cols must be below 2^31)";
   }
   if (rows == 0) return "";
-  auto launch = [&](auto kernel, auto typed) {
-    using P = decltype(typed);
-    kernel<<<static_cast<unsigned>(rows), kQuantThreads, 0, stream>>>(
-        static_cast<P>(x), 1, nullptr, nullptr, 0, static_cast<int>(cols),
-        static_cast<int>(rows), q, reinterpret_cast<float2*>(params));
-  };
+  const int r = static_cast<int>(rows), c = static_cast<int>(cols);
+  auto* pr = reinterpret_cast<float2*>(params);
   switch (dtype) {
     case W4a8Dtype::kF32:
-      launch(W4a8QuantizeRowsKernel<float>, static_cast<const float*>(nullptr));
+      LaunchQuantizeRows<float>(static_cast<const float*>(x), 1, nullptr, nullptr, 0, c, r, q, pr,
+                                stream);
       break;
     case W4a8Dtype::kBF16:
-      launch(W4a8QuantizeRowsKernel<__nv_bfloat16>, static_cast<const __nv_bfloat16*>(nullptr));
+      LaunchQuantizeRows<__nv_bfloat16>(static_cast<const __nv_bfloat16*>(x), 1, nullptr,
+                                        nullptr, 0, c, r, q, pr, stream);
       break;
     default:
-      launch(W4a8QuantizeRowsKernel<__half>, static_cast<const __half*>(nullptr));
+      LaunchQuantizeRows<__half>(static_cast<const __half*>(x), 1, nullptr, nullptr, 0, c, r, q,
+                                 pr, stream);
   }
   return CudaError("quantization kernel");
 }

@@ -56,7 +56,7 @@ struct W4a8MoeProblem {
   void* act = nullptr;                   // [R, I] in x's dtype
   int8_t* qact = nullptr;                // [R, I]
   float* act_params = nullptr;           // [R, 2]
-  float* ws2 = nullptr;                  // [R, H] f32
+  void* ws2 = nullptr;                   // [R, H] in x's dtype (GEMM2's rows, rounded)
 };
 
 // R = T * K (token, slot) pairs.

@@ -261,7 +261,7 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
       jax.ShapeDtypeStruct((r1 * i,), dt),
       jax.ShapeDtypeStruct((r1 * i,), jnp.int8),
       jax.ShapeDtypeStruct((r1 * 2,), jnp.float32),
-      jax.ShapeDtypeStruct((r1 * h,), jnp.float32),
+      jax.ShapeDtypeStruct((r1 * h,), dt),
   ]
   operands = [x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), weights.w13,
               weights.w13_scales, weights.w13_row_corr, weights.w13_bias, weights.w2,
