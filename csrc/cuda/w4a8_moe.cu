@@ -1,16 +1,17 @@
 // GPU W4A8 fused MoE (SPEC §3-4) on Hopper int8 tensor cores:
 //   alignment (AlignStandardKernel, shared with WNA16) -> per-row int8 quantization of x
 //   -> GEMM1 (wgmma s8 x s8 -> s32, per-group promotion to f32, bias, activation) -> per-row int8
-//   quantization of the activation -> GEMM2 (same GEMM, f32 rows + bias) -> finalize (rounded
-//   top-k weighting and sum in slot order, as reference.fused_moe_w4a8).
+//   quantization of the activation -> GEMM2 (same GEMM, rows + bias rounded to T) -> finalize
+//   (rounded top-k weighting and sum in slot order, as reference.fused_moe_w4a8).
 // No XLA types.
 //
-// GEMM design (W4a8WgmmaKernel). A CTA of two warpgroups computes 128 weight rows x 128 tokens
-// (one expert block of the alignment, block_m 128): warpgroup w owns a 64-row tile (GEMM1: w = 0
-// the gate rows 64 nt.., w = 1 the matching up rows I + 64 nt..; GEMM2: rows 128 nt + 64 w..).
-// The weights are wgmma's A operand from registers, the int8 tokens the B operand from shared
-// memory (128 tokens x 128 inputs per stage, K-major, 128-byte swizzle), as in the WNA16 wgmma
-// GEMM (moe_int4_wgmma.cuh), whose token-tile addressing this reuses byte for byte.
+// GEMM design (W4a8WgmmaKernel). A CTA of four warpgroups computes 128 weight rows x 128 tokens
+// (one expert block of the alignment, block_m 128): warpgroup w owns 64 rows (row tile w & 1:
+// GEMM1 0 = the gate rows 64 nt.., 1 = the matching up rows I + 64 nt..; GEMM2 rows
+// 128 nt + 64 (w & 1)..) x 64 tokens (half w >> 1), wgmma m64n64k32. The weights are wgmma's A
+// operand from registers, the int8 tokens the B operand from shared memory (128 tokens x 128
+// inputs per stage, K-major, 128-byte swizzle), as in the WNA16 wgmma GEMM (moe_int4_wgmma.cuh),
+// whose token-tile addressing this reuses byte for byte.
 //  - Int4 -> int8 in registers, not in shared memory: the packed fragment of a lane is its A
 //    registers' bytes with row g in the low and row g + 8 in the high nibble, so
 //    (word << 4) & 0xF0F0F0F0 and word & 0xF0F0F0F0 are the two registers, as int8 values 16 q
@@ -22,14 +23,14 @@
 //    overwrites, scale-d = 0); at the group's end the warpgroup waits for its MMAs and adds
 //    sw * float(sum) into f32 accumulators, in group order (float32 across groups, SPEC §3).
 //    Channel-wise scales need no promotion: one s32 sum over K, converted once.
-//    The register budget (64 s32 + 64 f32 accumulators per thread) is why a warpgroup owns one
-//    64 x 128 tile here, not two as in the WNA16 wgmma GEMM.
+//    The register budget (an s32 and an f32 accumulator per output) is why a warpgroup owns a
+//    64 x 64 tile here (32 + 32 accumulators per thread, 128 registers at 512 threads).
 //  - Epilogue: y = scale_t * (acc - zp_t * row_corr[n]) + bias[n] (row_corr precomputed at pack
 //    time, as the CPU layout). GEMM1 rounds gate and up to x's dtype, exchanges the up tile through
-//    shared memory, applies the activation and stores act rows; GEMM2 stores f32 rows.
-//  - Pipeline: cp.async multi-stage ring (kW8Stages stages, kW8Ahead chunks ahead), all 256
-//    threads issue their pieces (tokens, weight fragments, scales), one barrier per chunk; up to
-//    kW8InFlight wgmma groups stay in flight between group ends. A warp-specialised TMA pipeline
+//    shared memory, applies the activation and stores act rows; GEMM2 stores rows rounded to T.
+//  - Pipeline: cp.async multi-stage ring (kW8Stages stages, kW8Ahead chunks ahead), all 512
+//    threads issue their token pieces (half of them the weight fragments and scales), one barrier
+//    per chunk; up to kW8InFlight wgmma groups stay in flight between group ends. A warp-specialised TMA pipeline
 //    was not attempted: this form shares the proven WNA16 wgmma structure and its ordering rules.
 #include <algorithm>
 #include <cfloat>
