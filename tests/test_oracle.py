@@ -323,7 +323,10 @@ def test_moe_config_normalizes_and_validates():
 
 
 def test_detect_platform_and_routing_method_for():
-  assert base.detect_platform(jnp.ones(3)) == "cpu"
+  # A concrete array says where it lives, whatever JAX's default backend is (a GPU host too).
+  on_cpu = jax.device_put(jnp.ones(3), jax.devices("cpu")[0])
+  assert base.detect_platform(on_cpu) == "cpu"
+  assert base.detect_platform(jnp.ones(3)) == base.normalize_platform(jax.default_backend())
   seen = []
   jax.jit(lambda v: seen.append(base.detect_platform(v)) or v)(jnp.ones(3))
   assert seen == [base.normalize_platform(jax.default_backend())]
