@@ -28,8 +28,8 @@ namespace jax_moeq::cpu {
 namespace {
 
 // Every path of any build, in the order JAX_MOEQ_CPU_ISA's error message lists them.
-constexpr Isa kAllIsas[] = {Isa::kAmxInt8, Isa::kAvx512Vnni, Isa::kAvx2, Isa::kNeonI8mm, Isa::kNeonDotprod,
-                            Isa::kPortable};
+constexpr Isa kAllIsas[] = {Isa::kAmxInt8,   Isa::kAvx512Vnni,   Isa::kAvx2,
+                            Isa::kNeonI8mm,  Isa::kNeonDotprod, Isa::kPortable};
 
 }  // namespace
 

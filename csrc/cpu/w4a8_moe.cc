@@ -36,12 +36,19 @@ struct Scratch {
   std::vector<int32_t> zp1, zp2, sum1, sum2;
 };
 
-void NoteScratchBytes(int64_t bytes) {
-  int64_t seen = scratch_high_water.load(std::memory_order_relaxed);
-  while (bytes > seen &&
-         !scratch_high_water.compare_exchange_weak(seen, bytes, std::memory_order_relaxed)) {
+// a = max(a, v) and a = min(a, v), lock-free.
+void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
+  int64_t seen = a.load(std::memory_order_relaxed);
+  while (v > seen && !a.compare_exchange_weak(seen, v, std::memory_order_relaxed)) {
   }
 }
+void AtomicMin(std::atomic<int64_t>& a, int64_t v) {
+  int64_t seen = a.load(std::memory_order_relaxed);
+  while (v < seen && !a.compare_exchange_weak(seen, v, std::memory_order_relaxed)) {
+  }
+}
+
+void NoteScratchBytes(int64_t bytes) { AtomicMax(scratch_high_water, bytes); }
 
 size_t ElementBytes(ElementType t) { return t == ElementType::kF32 ? 4 : 2; }
 
@@ -104,16 +111,6 @@ class StageClock {
   }
 
  private:
-  static void AtomicMin(std::atomic<int64_t>& a, int64_t v) {
-    int64_t seen = a.load(std::memory_order_relaxed);
-    while (v < seen && !a.compare_exchange_weak(seen, v, std::memory_order_relaxed)) {
-    }
-  }
-  static void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
-    int64_t seen = a.load(std::memory_order_relaxed);
-    while (v > seen && !a.compare_exchange_weak(seen, v, std::memory_order_relaxed)) {
-    }
-  }
   bool on_;
   const ParallelFor& inner_;
   int64_t last_;
