@@ -38,17 +38,9 @@ def w4a8_scales(weights: Int4MoEWeights) -> Int4MoEWeights:
                              w2_scale=jnp.asarray(weights.w2_scale, dtype))
 
 
-class CPUExpertsInt4(MoEExperts):
-  """The fused CPU W4A8 MoE (`dynamic_4bit_int_moe`, SPEC §4).
-
-  Prepared arrays: {"w13_packed", "w2_packed"}, uint8 [E, bytes] (scales and biases inside).
-  """
-
-  backend_name = "cpu_int4"
-
-  @staticmethod
-  def _supports_current_device(platform: str) -> bool:
-    return platform == "cpu"
+class FusedW4A8Experts(MoEExperts):
+  """What the fused W4A8 kernels (CPU and GPU) accept: int4 weights with activations quantized
+  to int8 per token inside the kernel, and softmax top-k routing done before the call."""
 
   @staticmethod
   def _supports_quant_scheme(weight_key: QuantKey | None,
@@ -61,6 +53,19 @@ class CPUExpertsInt4(MoEExperts):
                                ) -> bool:
     return routing_method in (RoutingMethodType.Default, RoutingMethodType.Renormalize,
                               RoutingMethodType.RenormalizeNaive)
+
+
+class CPUExpertsInt4(FusedW4A8Experts):
+  """The fused CPU W4A8 MoE (`dynamic_4bit_int_moe`, SPEC §4).
+
+  Prepared arrays: {"w13_packed", "w2_packed"}, uint8 [E, bytes] (scales and biases inside).
+  """
+
+  backend_name = "cpu_int4"
+
+  @staticmethod
+  def _supports_current_device(platform: str) -> bool:
+    return platform == "cpu"
 
   @staticmethod
   def _supports_expert_map() -> bool:

@@ -14,18 +14,16 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jax_moeq.experts.base import MoEExperts, check_int4_weights, require_arrays
-from jax_moeq.experts.cpu_int4 import w4a8_scales
-from jax_moeq.oracle.base import (
-    W4A8_WEIGHT_KEYS, MoEConfig, QuantKey, RoutingMethodType, kInt8DynamicTokenAsym,
-)
+from jax_moeq.experts.base import check_int4_weights, require_arrays
+from jax_moeq.experts.cpu_int4 import FusedW4A8Experts, w4a8_scales
+from jax_moeq.oracle.base import MoEConfig, QuantKey
 from jax_moeq.ops import w4a8_gpu
 from jax_moeq.weights import Int4MoEWeights, W4A8PackedWeights, fold_w2_act_order
 
 Array = jax.Array
 
 
-class W4A8GpuExperts(MoEExperts):
+class W4A8GpuExperts(FusedW4A8Experts):
   """The fused GPU W4A8 MoE (SPEC §4 semantics). Prepared arrays: the `W4a8GpuWeights` array
   fields (`ops.w4a8_gpu.ARRAY_NAMES`); a [1] bias marks "no bias"."""
 
@@ -34,17 +32,6 @@ class W4A8GpuExperts(MoEExperts):
   @staticmethod
   def _supports_current_device(platform: str) -> bool:
     return platform == "cuda"
-
-  @staticmethod
-  def _supports_quant_scheme(weight_key: QuantKey | None,
-                             activation_key: QuantKey | None) -> bool:
-    return weight_key in W4A8_WEIGHT_KEYS and activation_key in (None, kInt8DynamicTokenAsym)
-
-  @staticmethod
-  def _supports_routing_method(routing_method: RoutingMethodType, weight_key, activation_key
-                               ) -> bool:
-    return routing_method in (RoutingMethodType.Default, RoutingMethodType.Renormalize,
-                              RoutingMethodType.RenormalizeNaive)
 
   @classmethod
   def _unsupported_reason(cls, moe_config: MoEConfig, weight_key: QuantKey | None,
