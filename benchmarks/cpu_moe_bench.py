@@ -5,12 +5,15 @@ by `convert_to_w4a8_int8_moe_format`, bf16 activations) and, interleaved call by
 process, ONNX Runtime's `com.microsoft.QMoE` (int4, block_size 128, accuracy_level 4 = int8
 activations, SwiGLU with interleaved gate/up; spinning threads off, the same thread count).
 
-Cold caches: a model's other layers evict a layer's experts before it runs again. Both contenders
-rotate over `--layers` layers, each with its own weights (default: enough layers that their packed
-experts are at least twice the last-level cache), and every call draws a fresh routing. Printed
-per T:
+Cold caches and in-graph time: a model runs its layers back to back in one graph, and its other
+layers evict a layer's experts before it runs again. So one call of either contender runs
+`--layers` MoE layers, each with its own weights (default: at least 4, and enough that their
+packed experts are at least twice the last-level cache) and routing, chained through a residual
+(x <- x + moe(x)): ours in one jitted function, ORT's as one graph of QMoE and Add nodes. Per-call
+costs (Python, the runtime's dispatch) are shared by the layers, as in a model. Every call draws
+fresh routings. Printed per T:
 
-- median time per call, ours and ORT's, and their ratio;
+- median time per layer (call time / layers), ours and ORT's, and their ratio;
 - weight bytes read: packed bytes (nibbles, scales, row corrections, biases) of the distinct
   experts the call's routing hits, divided by the time, and that rate as a fraction of the
   machine's DRAM read bandwidth (measured here on an array 8x the last-level cache);
@@ -181,10 +184,24 @@ def routing_ring(shape: Shape, tokens: int, ring: int, seed: int):
 
 # ------------------------------------------------------------------ contenders
 def ours_fn(shape: Shape, group_size: int):
+  """One layer: (x, ids, w, w13_packed, w2_packed) -> moe(x)."""
   from jax_moeq.ops.w4a8_cpu import dynamic_4bit_int_moe
   h, i = shape.hidden_size, shape.intermediate_size
   return jax.jit(lambda x, ids, w, p13, p2: dynamic_4bit_int_moe(x, ids, w, p13, p2, h, i, 2 * i,
                                                                   group_size))
+
+
+def ours_stack_fn(shape: Shape, group_size: int):
+  """Layers chained in one jitted function: (x, [ids], [w], [(w13_packed, w2_packed)]) -> x
+  after x <- x + moe_l(x) for every layer l."""
+  from jax_moeq.ops.w4a8_cpu import dynamic_4bit_int_moe
+  h, i = shape.hidden_size, shape.intermediate_size
+
+  def stack(x, ids, w, packed):
+    for l, (p13, p2) in enumerate(packed):
+      x = x + dynamic_4bit_int_moe(x, ids[l], w[l], p13, p2, h, i, 2 * i, group_size)
+    return x
+  return jax.jit(stack)
 
 
 def reference_fn(group_size: int):
@@ -214,11 +231,31 @@ def dense_fn():
   return jax.jit(_dense_moe)
 
 
-def ort_session(shape: Shape, seed: int, threads: int, block_size: int = 128):
-  """An ORT QMoE session on random int4 weights (gate/up interleaved, as swiglu_fusion=1
-  wants) with `threads` intra-op threads that sleep when idle (spinning ones would steal the
-  cores from our kernel between calls), or (None, why) when onnxruntime / onnx is missing or
-  refuses the model."""
+ORT_GRAPH_BYTES = 1_800_000_000  # a serialized ONNX model must stay under protobuf's 2 GB
+
+
+def ort_layers(shape: Shape, layers: int, seed: int, threads: int) -> tuple[list | None, str]:
+  """ORT sessions that together run `layers` QMoE layers chained as ours are: as few graphs as
+  fit in ORT_GRAPH_BYTES each (one for the small-expert shapes), run one after another on the
+  previous one's output; or (None, why)."""
+  e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
+  layer_bytes = e * (3 * h * i // 2 + 3 * h * i // 128 * 4)  # nibbles + f32 scales
+  per_graph = max(1, ORT_GRAPH_BYTES // layer_bytes)
+  sessions, why = [], ""
+  for first in range(0, layers, per_graph):
+    session, why = ort_session(shape, seed, threads, range(first, min(layers, first + per_graph)))
+    if session is None:
+      return None, why
+    sessions.append(session)
+  return sessions, f"{why}, {len(sessions)} graph(s)"
+
+
+def ort_session(shape: Shape, seed: int, threads: int, layers: range, block_size: int = 128):
+  """An ORT session of QMoE layers `layers` chained as ours are (x <- x + QMoE_l(x), inputs
+  "input" and "router_probs_<l>"), each on random int4 weights of its own (gate/up interleaved,
+  as swiglu_fusion=1 wants), with `threads` intra-op threads that sleep when idle (spinning ones
+  would steal the cores from our kernel between calls); or (None, why) when onnxruntime / onnx
+  is missing or refuses the model."""
   try:
     import onnx
     import onnxruntime as ort
@@ -226,23 +263,29 @@ def ort_session(shape: Shape, seed: int, threads: int, block_size: int = 128):
   except ImportError as e:
     return None, f"onnxruntime/onnx not installed ({e.name}); `pip install .[bench]`"
   e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
-  rng = np.random.default_rng((seed, 7))
-  # Random bytes are random int4 pairs in any nibble order; zero point defaults to 8.
-  fc1 = rng.integers(0, 256, (e, 2 * i, h // 2), dtype=np.uint8)
-  fc2 = rng.integers(0, 256, (e, h, i // 2), dtype=np.uint8)
-  s1 = (rng.uniform(0.5, 1.5, (e, 2 * i, h // block_size)) / (8 * np.sqrt(h))).astype(np.float32)
-  s2 = (rng.uniform(0.5, 1.5, (e, h, i // block_size)) / (8 * np.sqrt(i))).astype(np.float32)
-  inits = [numpy_helper.from_array(a, n) for a, n in
-           ((fc1, "fc1_w"), (s1, "fc1_s"), (fc2, "fc2_w"), (s2, "fc2_s"))]
-  node = helper.make_node(
-      "QMoE", ["input", "router_probs", "fc1_w", "fc1_s", "", "fc2_w", "fc2_s"], ["output"],
-      domain="com.microsoft", k=k, activation_type="swiglu", swiglu_fusion=1,
-      expert_weight_bits=4, block_size=block_size, accuracy_level=4,
-      normalize_routing_weights=1, activation_alpha=1.0, activation_beta=0.0)
+  inits, nodes, x = [], [], "input"
+  for l in layers:
+    rng = np.random.default_rng((seed + l, 7))
+    # Random bytes are random int4 pairs in any nibble order; zero point defaults to 8.
+    fc1 = rng.integers(0, 256, (e, 2 * i, h // 2), dtype=np.uint8)
+    fc2 = rng.integers(0, 256, (e, h, i // 2), dtype=np.uint8)
+    s1 = (rng.uniform(0.5, 1.5, (e, 2 * i, h // block_size)) / (8 * np.sqrt(h))).astype(np.float32)
+    s2 = (rng.uniform(0.5, 1.5, (e, h, i // block_size)) / (8 * np.sqrt(i))).astype(np.float32)
+    names = [f"fc1_w_{l}", f"fc1_s_{l}", f"fc2_w_{l}", f"fc2_s_{l}"]
+    inits += [numpy_helper.from_array(a, n) for a, n in zip((fc1, s1, fc2, s2), names)]
+    nodes.append(helper.make_node(
+        "QMoE", [x, f"router_probs_{l}", names[0], names[1], "", names[2], names[3]],
+        [f"moe_{l}"], domain="com.microsoft", k=k, activation_type="swiglu", swiglu_fusion=1,
+        expert_weight_bits=4, block_size=block_size, accuracy_level=4,
+        normalize_routing_weights=1, activation_alpha=1.0, activation_beta=0.0))
+    out = "output" if l == layers[-1] else f"x_{l + 1}"
+    nodes.append(helper.make_node("Add", [x, f"moe_{l}"], [out]))
+    x = out
   graph = helper.make_graph(
-      [node], "qmoe",
-      [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["T", h]),
-       helper.make_tensor_value_info("router_probs", TensorProto.FLOAT, ["T", e])],
+      nodes, "qmoe_layers",
+      [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["T", h])] +
+      [helper.make_tensor_value_info(f"router_probs_{l}", TensorProto.FLOAT, ["T", e])
+       for l in layers],
       [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["T", h])], inits)
   model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                   helper.make_opsetid("com.microsoft", 1)])
@@ -255,7 +298,8 @@ def ort_session(shape: Shape, seed: int, threads: int, block_size: int = 128):
     session = ort.InferenceSession(model.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     session.run(None, {"input": np.ones((1, h), np.float32),
-                       "router_probs": np.ones((1, e), np.float32)})
+                       **{f"router_probs_{l}": np.ones((1, e), np.float32)
+                          for l in layers}})
   except Exception as err:  # ORT raises its own exception types
     return None, f"onnxruntime {ort.__version__} refused QMoE: {str(err).splitlines()[0][:200]}"
   return session, f"onnxruntime {ort.__version__}"
@@ -321,11 +365,15 @@ def ratio(baseline: float | None, ours: float) -> str | None:
   return None if baseline is None else f"{baseline / ours:.1f}×"
 
 
+MIN_LAYERS = 4  # layers per call share its fixed costs, as in a model
+
+
 def default_layers(layer_bytes: int, llc_bytes: int | None) -> int:
-  """Layers whose packed experts together hold at least twice the last-level cache (>= 2)."""
+  """Layers whose packed experts together hold at least twice the last-level cache
+  (>= MIN_LAYERS)."""
   if not llc_bytes:
-    return 2
-  return max(2, math.ceil(2 * llc_bytes / layer_bytes))
+    return MIN_LAYERS
+  return max(MIN_LAYERS, math.ceil(2 * llc_bytes / layer_bytes))
 
 
 def interleaved_times(calls: list, *, warmup: int, target_seconds: float, min_repeats: int,
@@ -384,23 +432,21 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
   for e in stacks[1:]:
     e.drop()  # the packed arrays stay referenced in `packed`; layer 0 keeps its int8 for peers
   progress(f"{shape.name}: packed in {time.perf_counter() - start:.1f} s")
-  notes.append(f"{layers} layers rotated, {layers * layer_bytes / 1e6:.0f} MB of packed experts "
+  notes.append(f"{layers} layers per call, {layers * layer_bytes / 1e6:.0f} MB of packed experts "
                f"in all (last-level cache {llc_bytes / 2**20 if llc_bytes else 0:.0f} MiB)")
-  ours = ours_fn(shape, g)
+  ours = ours_fn(shape, g)  # one layer: the reference check
+  ours_stack = ours_stack_fn(shape, g)
   baselines = set(args.baselines)
-  sessions = []
+  sessions = None
   if "ort" in baselines:
-    progress(f"{shape.name}: building {layers} ORT QMoE sessions ({args.threads_used} threads)")
-    for layer in range(layers):
-      session, why = ort_session(shape, args.seed + layer, args.threads_used)
-      if session is None:
-        notes.append(f"ORT QMoE skipped: {why}")
-        sessions = []
-        break
-      sessions.append(session)
-    if sessions:
-      notes.append(f"ORT: {why}, {args.threads_used} intra-op threads, spinning off, "
-                   f"{layers} sessions (one per layer, own weights)")
+    progress(f"{shape.name}: building ORT graphs of {layers} QMoE layers "
+             f"({args.threads_used} threads)")
+    sessions, why = ort_layers(shape, layers, args.seed, args.threads_used)
+    if sessions is None:
+      notes.append(f"ORT QMoE skipped: {why}")
+    else:
+      notes.append(f"ORT: {why} of QMoE + Add layers (own weights), {args.threads_used} "
+                   "intra-op threads, spinning off")
   budgets = {name: Budget(args.baseline_budget) for name in ("ref", "ragged", "dense")}
   reference = reference_fn(g) if "ref" in baselines else None
   ragged, dense = (ragged_fn(), dense_fn()) if "xla" in baselines else (None, None)
@@ -410,19 +456,30 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
     ring = routing_ring(shape, tokens, args.ring, args.seed)
     x = jax.random.normal(jax.random.key(tokens), (tokens, h), jnp.float32).astype(jnp.bfloat16)
     x32 = np.asarray(x.astype(jnp.float32))
-    # Call j runs layer j % layers on routing j % ring: fresh weights and routing every call.
-    pick = lambda j: ring[j % len(ring)]
-    calls = [lambda j: ours(x, pick(j)[0], pick(j)[1], *packed[j % layers])]
+    # Call j runs every layer l on routing (j * layers + l) % ring: fresh routings every call.
+    pick = lambda j, l: ring[(j * layers + l) % len(ring)]
+    ours_call = lambda j: ours_stack(x, [pick(j, l)[0] for l in range(layers)],
+                                     [pick(j, l)[1] for l in range(layers)], packed)
+    calls = [ours_call]
     # Other kernel paths, each call under its JAX_MOEQ_CPU_ISA (read by the handler per call).
     for isa in args.isas[1:]:
-      calls.append(lambda j, isa=isa: _with_isa(isa, lambda: ours(x, pick(j)[0], pick(j)[1],
-                                                                   *packed[j % layers])))
-    if sessions:
-      feeds = [{"input": x32, "router_probs": r[2]} for r in ring]
-      calls.append(lambda j: sessions[j % layers].run(None, feeds[j % len(feeds)]))
+      calls.append(lambda j, isa=isa: _with_isa(isa, lambda: ours_call(j)))
+    if sessions is not None:
+      probs = [{f"router_probs_{l}": pick(j, l)[2] for l in range(layers)}
+               for j in range(len(ring))]
+
+      routers = [[v.name for v in s.get_inputs() if v.name != "input"] for s in sessions]
+
+      def ort_call(j):
+        y = x32
+        for session, names in zip(sessions, routers):
+          y = session.run(None, {"input": y, **{n: probs[j % len(probs)][n] for n in names}})[0]
+        return y
+      calls.append(ort_call)
     load = os.getloadavg()[0]
-    times = interleaved_times(calls, warmup=max(2, layers), target_seconds=args.target_seconds,
-                              min_repeats=max(5, 2 * layers), max_repeats=400)
+    times = interleaved_times(calls, warmup=2, target_seconds=args.target_seconds,
+                              min_repeats=5, max_repeats=400)
+    times = [[t / layers for t in ts] for ts in times]  # per layer
     seconds = float(np.median(times[0]))
     hit = np.mean([len(np.unique(np.asarray(r[0]))) for r in ring])
     gbps = hit * expert_bytes / seconds / 1e9
@@ -430,13 +487,11 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
               int8_ops(shape, tokens) / seconds / 1e9, load=load)
     for c, isa in enumerate(args.isas[1:], start=1):
       row.isa_s[isa] = float(np.median(times[c]))
-    if sessions:
+    if sessions is not None:
       row.ort_s = float(np.median(times[len(args.isas[1:]) + 1]))
     if args.time_split and tokens in args.time_split:
-      notes.append(f"T={tokens}: " + time_split(lambda j: ours(x, pick(j)[0], pick(j)[1],
-                                                               *packed[j % layers]),
-                                                 calls=max(50, 4 * layers),
-                                                 threads=args.threads_used))
+      notes.append(f"T={tokens}: " + time_split(ours_call, calls=max(50, 200 // layers),
+                                                layers=layers, threads=args.threads_used))
     progress(f"{shape.name}: T={tokens} ours {seconds * 1e3:.2f} ms ({len(times[0])} calls), "
              f"{gbps:.1f} GB/s ({100 * row.dram_fraction:.0f} % of DRAM), {row.gops:.0f} GOP/s"
              + (f"; ORT {row.ort_s * 1e3:.2f} ms" if row.ort_s else ""))
@@ -444,20 +499,21 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
       if ref_weights is None:
         ref_weights = tuple(jnp.asarray(a) for a in stacks[0].unpacked())
       if tokens == min(args.tokens, key=lambda t: abs(t - 8)):
-        ids, w, _ = ring[0]
+        ids, w, _ = ring[0]  # layer 0 alone
         want = np.asarray(reference(x, ids, w, *ref_weights).astype(jnp.float32))
         got = np.asarray(ours(x, ids, w, *packed[0]).astype(jnp.float32))
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         notes.append(f"check at T={tokens}: kernel vs jnp reference rel. Frobenius error {err:.1e} "
                      "(bf16)")
       row.ref_s = time_baseline("jnp reference", budgets["ref"], tokens,
-                                lambda j: reference(x, pick(j)[0], pick(j)[1], *ref_weights), args)
+                                lambda j: reference(x, pick(j, 0)[0], pick(j, 0)[1], *ref_weights),
+                                args)
     if ragged is not None:
       w13, w2 = stacks[0].bf16()
       r_s = time_baseline("bf16 ragged_dot", budgets["ragged"], tokens,
-                          lambda j: ragged(x, pick(j)[0], pick(j)[1], w13, w2), args)
+                          lambda j: ragged(x, pick(j, 0)[0], pick(j, 0)[1], w13, w2), args)
       d_s = time_baseline("bf16 dense einsum", budgets["dense"], tokens,
-                          lambda j: dense(x, pick(j)[0], pick(j)[1], w13, w2), args)
+                          lambda j: dense(x, pick(j, 0)[0], pick(j, 0)[1], w13, w2), args)
       candidates = [(t, n) for t, n in ((r_s, "ragged_dot"), (d_s, "einsum")) if t is not None]
       if candidates:
         row.xla_s, row.xla_name = min(candidates)
@@ -491,11 +547,11 @@ def _with_isa(isa: str, call):
       os.environ["JAX_MOEQ_CPU_ISA"] = old
 
 
-def time_split(call, *, calls: int, threads: int) -> str:
-  """Where one call's time goes, from the kernel's own stage clock (µs per call, mean over
-  `calls` calls): each stage's wall time and, for the parallel ones, the launch-to-first-piece
-  dispatch, the mean busy time per thread, and the last-piece-to-return join. What is left of a
-  stage's wall time is imbalance (threads idle while others finish)."""
+def time_split(call, *, calls: int, layers: int, threads: int) -> str:
+  """Where a layer's time goes, from the kernel's own stage clock (µs per layer, mean over
+  `calls` calls of `layers` layers): each stage's wall time and, for the parallel ones, the
+  launch-to-first-piece dispatch, the mean busy time per thread, and the last-piece-to-return
+  join. What is left of a stage's wall time is imbalance (threads idle while others finish)."""
   from jax_moeq import _ffi
   module = _ffi.cpu_module()
   _timing.block(call(0))
@@ -504,10 +560,10 @@ def time_split(call, *, calls: int, threads: int) -> str:
   start = time.perf_counter()
   for j in range(calls):
     _timing.block(call(j))
-  wall = (time.perf_counter() - start) / calls
+  wall = (time.perf_counter() - start) / (calls * layers)
   module.w4a8_moe_profile(False)
   taken = module.w4a8_moe_profile_take()
-  us = lambda ns: ns / calls / 1e3
+  us = lambda ns: ns / (calls * layers) / 1e3
   parts, kernel = [], 0.0
   for name, t in taken["stages"].items():
     kernel += us(t["wall_ns"])
@@ -517,8 +573,9 @@ def time_split(call, *, calls: int, threads: int) -> str:
                    f"{busy:.0f}, join {us(t['join_ns']):.0f}, {t['pieces'] / calls:.0f} pieces)")
     else:
       parts.append(f"{name} {us(t['wall_ns']):.0f}")
-  return (f"time split (µs per call, {threads} threads, {calls} calls): call {wall * 1e6:.0f}, "
-          f"kernel {kernel:.0f}, outside the kernel {wall * 1e6 - kernel:.0f}; " + "; ".join(parts))
+  return (f"time split (µs per layer, {threads} threads, {calls} calls of {layers} layers): layer "
+          f"{wall * 1e6:.0f}, kernel {kernel:.0f}, outside the kernel {wall * 1e6 - kernel:.0f}; "
+          + "; ".join(parts))
 
 
 def machine_lines(threads: int, dram: dict[str, float], llc: tuple[int, int] | None) -> list[str]:
@@ -632,7 +689,8 @@ def main(argv=None) -> int:
                       help="comma-separated token counts T")
   parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128, -1))
   parser.add_argument("--layers", type=int, default=0,
-                      help="layers rotated (default: packed experts >= 2x the last-level cache)")
+                      help="layers per call, each with its own weights (default: at least "
+                           f"{MIN_LAYERS}, and packed experts >= 2x the last-level cache)")
   parser.add_argument("--threads", type=int,
                       help="XLA intra-op threads (PJRT_NPROC) and ORT's (default: usable cores)")
   parser.add_argument("--thread-scaling", default="",
@@ -705,8 +763,8 @@ def main(argv=None) -> int:
       f"- date: {started}; jax {jax.__version__}",
       f"- command: `python benchmarks/cpu_moe_bench.py {' '.join(argv)}`",
       *machine_lines(args.threads_used, dram, llc),
-      "- activations bf16 (ORT: float32, its CPU QMoE input type); times are medians over calls "
-      "that rotate layers and routings (\"best\": the fastest call); GB/s, % DRAM and GOP/s use "
+      "- activations bf16 (ORT: float32, its CPU QMoE input type); times are per layer: medians "
+      "over calls of all the layers, divided by the layers (\"best\": the fastest call); GB/s, % DRAM and GOP/s use "
       "the median; ratios are peer median / ours; \"load\": 1-minute load average before the "
       "T was timed; \"—\": not measured",
       "",
