@@ -23,8 +23,8 @@ def _ctas(busy, units, split):
 
 
 def test_block_m_follows_pairs_per_expert_then_takes_the_wgmma_gemm():
-  assert [launch.choose_block_m(p) for p in (0.25, 1, 8, 8.5, 16, 17, 47.9, 48, 500)] == [
-      8, 8, 8, 16, 16, 32, 32, 128, 128]
+  assert [launch.choose_block_m(p) for p in (0.25, 1, 6, 6.5, 12, 12.5, 16, 47.9, 48, 500)] == [
+      8, 8, 8, 16, 16, 32, 32, 32, 128, 128]
 
 
 def test_wgmma_block_never_splits_k():

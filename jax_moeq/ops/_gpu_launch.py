@@ -87,16 +87,26 @@ def ctas_per_sm(block_m: int) -> int:
 WGMMA_MIN_PAIRS_PER_EXPERT = 48
 
 
+# An expert's pairs vary around their mean (Poisson under uniform routing); a block of 8 / 16
+# rows is taken while the mean stays within this fraction of it. Past it, too many experts
+# overflow into a second block, which streams the expert's weights again. H100, WNA16,
+# 2026-11-25, us per layer (8 layers in one jit): 16 pairs per expert, block_m 16 -> 32:
+# Mixtral T=64 481 -> 438, Qwen3-30B-A3B T=256 240 -> 223; 6 pairs, block_m 8 -> 16:
+# DeepSeek-V2-Lite T=64 139 -> 149 (so 8 stays for 6).
+BLOCK_FILL = 0.75
+
+
 def choose_block_m(pairs_per_expert: float) -> int:
-  """Smallest block of 8 / 16 rows that holds an expert's expected pairs, else 32; from
-  WGMMA_MIN_PAIRS_PER_EXPERT pairs per expert on, 128 (the wgmma GEMM).
+  """Smallest block of 8 / 16 rows whose BLOCK_FILL holds an expert's expected pairs, else 32;
+  from WGMMA_MIN_PAIRS_PER_EXPERT pairs per expert on, 128 (the wgmma GEMM).
 
   block_m 64 (MT 8, 197 registers, one CTA per SM) measured slower than 32 on an H100 wherever
   it was chosen: MxInt4 Qwen3 T=1024 854 vs 631 us, Mixtral T=4096 18.5 vs 15.2 ms; WNA16
-  Mixtral T=4096 18.2 ms (64) vs 15.1 ms (32). It stays available as an explicit block_m.
+  Mixtral T=4096 18.2 ms (64) vs 15.1 ms (32); WNA16 at T=16..256 (2026-11-25) 1.6-2.8x slower
+  than the default on every shape. It stays available as an explicit block_m.
   """
   for bm in (8, 16):
-    if pairs_per_expert <= bm:
+    if pairs_per_expert <= BLOCK_FILL * bm:
       return bm
   if pairs_per_expert >= WGMMA_MIN_PAIRS_PER_EXPERT:
     return WGMMA_BLOCK_M
