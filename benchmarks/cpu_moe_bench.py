@@ -368,6 +368,18 @@ def ratio(baseline: float | None, ours: float) -> str | None:
 MIN_LAYERS = 4  # layers per call share its fixed costs, as in a model
 
 
+def ring_size(shape: Shape, tokens: int, layers: int, expert_bytes: int, llc_bytes: int | None,
+              minimum: int) -> int:
+  """Routings to cycle through, a multiple of `layers`: layer l of call j takes routing
+  (j * layers + l) % size, so a (layer, routing) pair comes back every size / layers calls. The
+  calls in between must read at least twice the last-level cache (the experts they hit), or a
+  layer would find its experts still cached at small T."""
+  e, k = shape.num_experts, shape.top_k
+  hit_bytes = e * (1 - (1 - k / e) ** tokens) * expert_bytes  # expected distinct experts hit
+  calls_between = math.ceil(2 * (llc_bytes or 0) / (layers * hit_bytes)) if llc_bytes else 0
+  return layers * max(math.ceil(minimum / layers), calls_between + 1)
+
+
 def default_layers(layer_bytes: int, llc_bytes: int | None) -> int:
   """Layers whose packed experts together hold at least twice the last-level cache
   (>= MIN_LAYERS)."""
@@ -453,7 +465,8 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
   rows: list[Row] = []
   ref_weights = None
   for tokens in args.tokens:
-    ring = routing_ring(shape, tokens, args.ring, args.seed)
+    ring = routing_ring(shape, tokens, ring_size(shape, tokens, layers, expert_bytes, llc_bytes,
+                                                 args.ring), args.seed)
     x = jax.random.normal(jax.random.key(tokens), (tokens, h), jnp.float32).astype(jnp.bfloat16)
     x32 = np.asarray(x.astype(jnp.float32))
     # Call j runs every layer l on routing (j * layers + l) % ring: fresh routings every call.
@@ -701,7 +714,9 @@ def main(argv=None) -> int:
                       help="seconds per ref/xla baseline per shape (T values over it left out)")
   parser.add_argument("--target-seconds", type=float, default=2.0,
                       help="timed seconds per T (all contenders, interleaved)")
-  parser.add_argument("--ring", type=int, default=16, help="routings cycled between calls")
+  parser.add_argument("--ring", type=int, default=16,
+                      help="routings cycled between calls, at least (more when the calls between "
+                           "two uses of one would read less than twice the last-level cache)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--quick", action="store_true",
                       help="OLMoE only, T in {1, 8, 128}, short timings and budgets")
