@@ -79,7 +79,6 @@ class StageClock {
     times_.wall_ns[stage] += now - last_;
     last_ = now;
   }
-  // parallel_for, timed as `stage` when profiling: dispatch, busy and join (see the header).
   // A row stage of at most kInlineStageElements elements runs on the calling thread: waking
   // the pool and joining it costs more than such a stage's work (Xeon, 16 threads, T=1: the
   // activation's barrier took 22 us for 2 us of work, 2026-11-25).
@@ -96,6 +95,7 @@ class StageClock {
     }
     For(stage, rows, body);
   }
+  // parallel_for, timed as `stage` when profiling: dispatch, busy and join (see the header).
   void For(W4A8MoeStage stage, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
     if (!on_) return inner_(n, body);
     std::atomic<int64_t> first_start{INT64_MAX}, last_end{0}, busy{0}, pieces{0};
