@@ -183,23 +183,27 @@ def routing_ring(shape: Shape, tokens: int, ring: int, seed: int):
 
 
 # ------------------------------------------------------------------ contenders
-def ours_fn(shape: Shape, group_size: int):
-  """One layer: (x, ids, w, w13_packed, w2_packed) -> moe(x)."""
+def _moe_layer(shape: Shape, group_size: int):
+  """One layer, not jitted: (x, ids, w, w13_packed, w2_packed) -> moe(x)."""
   from jax_moeq.ops.w4a8_cpu import dynamic_4bit_int_moe
   h, i = shape.hidden_size, shape.intermediate_size
-  return jax.jit(lambda x, ids, w, p13, p2: dynamic_4bit_int_moe(x, ids, w, p13, p2, h, i, 2 * i,
-                                                                  group_size))
+  return lambda x, ids, w, p13, p2: dynamic_4bit_int_moe(x, ids, w, p13, p2, h, i, 2 * i,
+                                                         group_size)
+
+
+def ours_fn(shape: Shape, group_size: int):
+  """One layer, jitted: (x, ids, w, w13_packed, w2_packed) -> moe(x)."""
+  return jax.jit(_moe_layer(shape, group_size))
 
 
 def ours_stack_fn(shape: Shape, group_size: int):
   """Layers chained in one jitted function: (x, [ids], [w], [(w13_packed, w2_packed)]) -> x
   after x <- x + moe_l(x) for every layer l."""
-  from jax_moeq.ops.w4a8_cpu import dynamic_4bit_int_moe
-  h, i = shape.hidden_size, shape.intermediate_size
+  layer = _moe_layer(shape, group_size)
 
   def stack(x, ids, w, packed):
     for l, (p13, p2) in enumerate(packed):
-      x = x + dynamic_4bit_int_moe(x, ids[l], w[l], p13, p2, h, i, 2 * i, group_size)
+      x = x + layer(x, ids[l], w[l], p13, p2)
     return x
   return jax.jit(stack)
 
@@ -232,25 +236,28 @@ def dense_fn():
 
 
 ORT_GRAPH_BYTES = 1_800_000_000  # a serialized ONNX model must stay under protobuf's 2 GB
+ORT_BLOCK_SIZE = 128  # QMoE's int4 block (group) size
 
 
 def ort_layers(shape: Shape, layers: int, seed: int, threads: int) -> tuple[list | None, str]:
-  """ORT sessions that together run `layers` QMoE layers chained as ours are: as few graphs as
-  fit in ORT_GRAPH_BYTES each (one for the small-expert shapes), run one after another on the
-  previous one's output; or (None, why)."""
+  """ORT sessions, each with the range of layers it holds, that together run `layers` QMoE layers
+  chained as ours are: as few graphs as fit in ORT_GRAPH_BYTES each (one for the small-expert
+  shapes), run one after another on the previous one's output; or (None, why)."""
   e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
-  layer_bytes = e * (3 * h * i // 2 + 3 * h * i // 128 * 4)  # nibbles + f32 scales
+  layer_bytes = e * (3 * h * i // 2 + 3 * h * i // ORT_BLOCK_SIZE * 4)  # nibbles + f32 scales
   per_graph = max(1, ORT_GRAPH_BYTES // layer_bytes)
   sessions, why = [], ""
   for first in range(0, layers, per_graph):
-    session, why = ort_session(shape, seed, threads, range(first, min(layers, first + per_graph)))
+    held = range(first, min(layers, first + per_graph))
+    session, why = ort_session(shape, seed, threads, held)
     if session is None:
       return None, why
-    sessions.append(session)
+    sessions.append((session, held))
   return sessions, f"{why}, {len(sessions)} graph(s)"
 
 
-def ort_session(shape: Shape, seed: int, threads: int, layers: range, block_size: int = 128):
+def ort_session(shape: Shape, seed: int, threads: int, layers: range,
+                block_size: int = ORT_BLOCK_SIZE):
   """An ORT session of QMoE layers `layers` chained as ours are (x <- x + QMoE_l(x), inputs
   "input" and "router_probs_<l>"), each on random int4 weights of its own (gate/up interleaved,
   as swiglu_fusion=1 wants), with `threads` intra-op threads that sleep when idle (spinning ones
@@ -376,7 +383,7 @@ def ring_size(shape: Shape, tokens: int, layers: int, expert_bytes: int, llc_byt
   layer would find its experts still cached at small T."""
   e, k = shape.num_experts, shape.top_k
   hit_bytes = e * (1 - (1 - k / e) ** tokens) * expert_bytes  # expected distinct experts hit
-  calls_between = math.ceil(2 * (llc_bytes or 0) / (layers * hit_bytes)) if llc_bytes else 0
+  calls_between = math.ceil(2 * llc_bytes / (layers * hit_bytes)) if llc_bytes else 0
   return layers * max(math.ceil(minimum / layers), calls_between + 1)
 
 
@@ -478,15 +485,14 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
     for isa in args.isas[1:]:
       calls.append(lambda j, isa=isa: _with_isa(isa, lambda: ours_call(j)))
     if sessions is not None:
-      probs = [{f"router_probs_{l}": pick(j, l)[2] for l in range(layers)}
-               for j in range(len(ring))]
-
-      routers = [[v.name for v in s.get_inputs() if v.name != "input"] for s in sessions]
+      # Per session, per call index: its layers' router inputs (built once, outside the timing).
+      router_feeds = [[{f"router_probs_{l}": pick(j, l)[2] for l in held}
+                       for j in range(len(ring))] for _, held in sessions]
 
       def ort_call(j):
         y = x32
-        for session, names in zip(sessions, routers):
-          y = session.run(None, {"input": y, **{n: probs[j % len(probs)][n] for n in names}})[0]
+        for (session, _), feeds in zip(sessions, router_feeds):
+          y = session.run(None, {"input": y, **feeds[j % len(ring)]})[0]
         return y
       calls.append(ort_call)
     load = os.getloadavg()[0]
@@ -583,7 +589,8 @@ def time_split(call, *, calls: int, layers: int, threads: int) -> str:
     if t["pieces"]:
       busy = us(t["busy_ns"]) / threads
       parts.append(f"{name} {us(t['wall_ns']):.0f} (dispatch {us(t['dispatch_ns']):.0f}, busy/thread "
-                   f"{busy:.0f}, join {us(t['join_ns']):.0f}, {t['pieces'] / calls:.0f} pieces)")
+                   f"{busy:.0f}, join {us(t['join_ns']):.0f}, {t['pieces'] / (calls * layers):.0f} "
+                   "pieces)")
     else:
       parts.append(f"{name} {us(t['wall_ns']):.0f}")
   return (f"time split (µs per layer, {threads} threads, {calls} calls of {layers} layers): layer "
@@ -779,9 +786,9 @@ def main(argv=None) -> int:
       f"- command: `python benchmarks/cpu_moe_bench.py {' '.join(argv)}`",
       *machine_lines(args.threads_used, dram, llc),
       "- activations bf16 (ORT: float32, its CPU QMoE input type); times are per layer: medians "
-      "over calls of all the layers, divided by the layers (\"best\": the fastest call); GB/s, % DRAM and GOP/s use "
-      "the median; ratios are peer median / ours; \"load\": 1-minute load average before the "
-      "T was timed; \"—\": not measured",
+      "over calls of all the layers, divided by the layers (\"best\": the fastest call); GB/s, "
+      "% DRAM and GOP/s use the median; ratios are peer median / ours; \"load\": 1-minute load "
+      "average before the T was timed; \"—\": not measured",
       "",
   ]
   results: dict[str, list[Row]] = {}
