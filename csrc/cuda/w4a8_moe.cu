@@ -129,6 +129,42 @@ __device__ __forceinline__ float2 LdShared64f(uint32_t a) {
 // skipped (nothing reads them). Non-finite rows: q = 0, zero point 0, scale NaN (as the reference).
 constexpr int kQuantThreads = 256;
 
+// One row's quantization parameters from its range (mn <= 0 <= mx) and whether it holds a
+// non-finite value; `live` is false for rows quantized to zeros (constant or non-finite).
+struct RowQuant {
+  float scale, inv;
+  int zp;
+  bool live;
+};
+
+__device__ __forceinline__ RowQuant RowQuantFromRange(float mn, float mx, bool bad) {
+  RowQuant r;
+  r.scale = __fdiv_rn(__fsub_rn(mx, mn), 255.0f);
+  r.inv = __fdiv_rn(1.0f, r.scale);
+  const bool empty = (mx == mn) || !(r.inv <= FLT_MAX);
+  if (empty) {
+    r.scale = 0.0f;
+    r.inv = 0.0f;
+  }
+  const float min_term = __fadd_rn(-128.0f, __fmul_rn(mn, r.inv));
+  const float max_term = __fadd_rn(127.0f, __fmul_rn(mx, r.inv));
+  float zpf = __fadd_rn(min_term, max_term) > 0.0f ? __fsub_rn(-128.0f, __fmul_rn(mn, r.inv))
+                                                   : __fsub_rn(127.0f, __fmul_rn(mx, r.inv));
+  zpf = fminf(fmaxf(zpf, -128.0f), 127.0f);
+  r.zp = empty ? 0 : __float2int_rn(zpf);
+  if (bad) {
+    r.zp = 0;
+    r.scale = __int_as_float(0x7fc00000);
+  }
+  r.live = !empty && !bad;
+  return r;
+}
+
+// The int8 value of a (one float32 multiply, round half to even, the zero point, clamp).
+__device__ __forceinline__ int QuantizeValue(float a, const RowQuant& rq) {
+  return min(127, max(-128, __float2int_rn(__fmul_rn(a, rq.inv)) + rq.zp));
+}
+
 template <typename T>
 __device__ __forceinline__ float QuantInput(const T* src, int j, bool weighted, float w) {
   const float v = ToFloat(src[j]);
@@ -183,33 +219,13 @@ __global__ void __launch_bounds__(kQuantThreads)
     mx = fmaxf(mx, s_mx[i]);
     bad |= s_bad[i];
   }
-  float scale = __fdiv_rn(__fsub_rn(mx, mn), 255.0f);
-  float inv = __fdiv_rn(1.0f, scale);
-  const bool empty = (mx == mn) || !(inv <= FLT_MAX);
-  if (empty) {
-    scale = 0.0f;
-    inv = 0.0f;
-  }
-  const float min_term = __fadd_rn(-128.0f, __fmul_rn(mn, inv));
-  const float max_term = __fadd_rn(127.0f, __fmul_rn(mx, inv));
-  float zpf = __fadd_rn(min_term, max_term) > 0.0f ? __fsub_rn(-128.0f, __fmul_rn(mn, inv))
-                                                   : __fsub_rn(127.0f, __fmul_rn(mx, inv));
-  zpf = fminf(fmaxf(zpf, -128.0f), 127.0f);
-  int zp = empty ? 0 : __float2int_rn(zpf);
-  if (bad) {
-    zp = 0;
-    scale = __int_as_float(0x7fc00000);
-  }
+  const RowQuant rq = RowQuantFromRange(mn, mx, bad != 0);
   int8_t* dst = q + static_cast<int64_t>(r) * cols;
   for (int j = threadIdx.x; j < cols; j += kQuantThreads) {
-    int qa = 0;
-    if (!empty && !bad) {
-      const float v = QuantInput(src, j, weighted, w);
-      qa = min(127, max(-128, __float2int_rn(__fmul_rn(v, inv)) + zp));
-    }
+    const int qa = rq.live ? QuantizeValue(QuantInput(src, j, weighted, w), rq) : 0;
     dst[j] = static_cast<int8_t>(qa);
   }
-  if (threadIdx.x == 0) params[r] = make_float2(scale, static_cast<float>(zp));
+  if (threadIdx.x == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
 
 // The same quantizer with one warp per row and 16-byte loads (rows of at most
@@ -270,23 +286,7 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
     bad |= __shfl_xor_sync(0xffffffffu, bad, d);
   }
-  float scale = __fdiv_rn(__fsub_rn(mx, mn), 255.0f);
-  float inv = __fdiv_rn(1.0f, scale);
-  const bool empty = (mx == mn) || !(inv <= FLT_MAX);
-  if (empty) {
-    scale = 0.0f;
-    inv = 0.0f;
-  }
-  const float min_term = __fadd_rn(-128.0f, __fmul_rn(mn, inv));
-  const float max_term = __fadd_rn(127.0f, __fmul_rn(mx, inv));
-  float zpf = __fadd_rn(min_term, max_term) > 0.0f ? __fsub_rn(-128.0f, __fmul_rn(mn, inv))
-                                                   : __fsub_rn(127.0f, __fmul_rn(mx, inv));
-  zpf = fminf(fmaxf(zpf, -128.0f), 127.0f);
-  int zp = empty ? 0 : __float2int_rn(zpf);
-  if (bad) {
-    zp = 0;
-    scale = __int_as_float(0x7fc00000);
-  }
+  const RowQuant rq = RowQuantFromRange(mn, mx, bad != 0);
   int8_t* dst = q + static_cast<int64_t>(r) * cols;
   for (int j = lane; j < vecs; j += 32) {
     float v[kVec];
@@ -295,10 +295,7 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       int qa = 0;
-      if (!empty && !bad) {
-        const float a = weighted ? RoundOut<T>(__fmul_rn(v[i], w)) : v[i];
-        qa = min(127, max(-128, __float2int_rn(__fmul_rn(a, inv)) + zp));
-      }
+      if (rq.live) qa = QuantizeValue(weighted ? RoundOut<T>(__fmul_rn(v[i], w)) : v[i], rq);
       if (i % 4 == 0) packed[i / 4] = 0;
       packed[i / 4] |= (static_cast<uint32_t>(qa) & 0xFFu) << (8 * (i % 4));
     }
@@ -308,7 +305,7 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
       reinterpret_cast<uint32_t*>(dst)[j] = packed[0];
     }
   }
-  if (lane == 0) params[r] = make_float2(scale, static_cast<float>(zp));
+  if (lane == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
 
 // Launches the warp-per-row form where it applies, else the CTA-per-row one.
