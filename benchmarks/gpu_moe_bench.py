@@ -98,6 +98,69 @@ def time_calls(fn, args_list, min_time=0.2, reps=5):
   return statistics.median(times)
 
 
+def peer_argument_parser() -> argparse.ArgumentParser:
+  """The options of the benchmarks that time ops side by side with peer_rows."""
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shapes", default=",".join(SHAPES))
+  ap.add_argument("--tokens", default=",".join(str(t) for t in TOKENS))
+  ap.add_argument("--json", default=None)
+  return ap
+
+
+def peer_rows(shapes, tokens, peers, hbm=None) -> list[dict]:
+  """Ops timed side by side in one process and one harness. peers: (label, make(key, e, h, i) ->
+  one layer's weights, layer(x, weights, ids, w) -> y). Per (shape, T): each op's median seconds
+  per layer over ROUTING_SETS layers (own weights and routing) in one jit, as `label_us`,
+  `label_tflops` (2·T·K·3·H·I) and, given the copy rate hbm, `label_hbm_frac` (int4 bytes of the
+  experts hit / time / hbm). An op that raises is printed and its time left None."""
+  rows = []
+  for name in shapes:
+    e, k, h, i = SHAPES[name]
+    timed = []
+    for label, make, layer in peers:
+      layers = layer_weights(lambda key, make=make: make(key, e, h, i))
+      multi = jax.jit(lambda x, wts, ids, w, layer=layer: [
+          layer(x, wts[j], ids[j], w[j]) for j in range(ROUTING_SETS)])
+      timed.append((label, multi, layers))
+    bytes_per_expert = (2 * i * h + i * h) // 2
+    for t in tokens:
+      sets = routing_sets(t, t, e, k)
+      x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
+      ids_stack = jnp.stack([jnp.asarray(ids) for ids, _ in sets])
+      w_stack = jnp.stack([jnp.asarray(w) for _, w in sets])
+      hit = mean_experts_hit(ids for ids, _ in sets)
+      row = dict(shape=name, T=t, experts_hit=hit)
+      for label, multi, layers in timed:
+        try:
+          sec = time_calls(lambda a, b, multi=multi, layers=layers: multi(x, layers, a, b),
+                           [(ids_stack, w_stack)]) / ROUTING_SETS
+          row[f"{label}_us"] = sec * 1e6
+          row[f"{label}_tflops"] = 2.0 * t * k * 3 * h * i / sec / 1e12
+          if hbm:
+            row[f"{label}_hbm_frac"] = hit * bytes_per_expert / sec / hbm
+        except Exception as err:  # pylint: disable=broad-except
+          print(f"{label} failed at {name} T={t}: {type(err).__name__}: {str(err)[:400]}",
+                flush=True)
+          row[f"{label}_us"] = None
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+    del timed
+  return rows
+
+
+def print_peer_table(rows, labels) -> None:
+  """One line per (shape, T): each op's us and TFLOP/s, then the first op's time over the
+  second's."""
+  fmt = lambda v, f: "n/a" if v is None else format(v, f)
+  head = "".join(f" {l + ' us':>11} {'TFLOP/s':>8}" for l in labels)
+  print(f"{'shape':18} {'T':>5}{head} {labels[0] + '/' + labels[1]:>14}")
+  for r in rows:
+    cells = "".join(f" {fmt(r.get(l + '_us'), '.1f'):>11} {fmt(r.get(l + '_tflops'), '.1f'):>8}"
+                    for l in labels)
+    a, b = r.get(f"{labels[0]}_us"), r.get(f"{labels[1]}_us")
+    print(f"{r['shape']:18} {r['T']:5d}{cells} {fmt(a and b and a / b, '.2f'):>14}")
+
+
 def ragged_time(ragged, x, call_args, w13, w2):
   """Seconds per layer of the jitted ragged_dot MoE, one dispatch per layer. Not several layers in
   one jit as our op is timed: there they share one weight set, and XLA then reads it once for

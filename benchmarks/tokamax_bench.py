@@ -15,7 +15,6 @@ Needs tokamax (Python >= 3.12, jax >= 0.11.1) and qwix. Run:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -76,63 +75,30 @@ def tokamax_layer(x, ids, w, w13, w2):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", default=",".join(gb.SHAPES))
-  ap.add_argument("--tokens", default=",".join(str(t) for t in gb.TOKENS))
-  ap.add_argument("--json", default=None)
-  args = ap.parse_args()
+  args = gb.peer_argument_parser().parse_args()
   import tokamax  # pylint: disable=import-outside-toplevel
   dev = jax.devices()[0]
   hbm = gb.copy_bandwidth()
   print(f"device: {dev.device_kind}; copy bandwidth {hbm / 1e12:.2f} TB/s; tokamax "
         f"{tokamax.__version__}; jax {jax.__version__}", flush=True)
-  rows = []
-  for name in args.shapes.split(","):
-    e, k, h, i = gb.SHAPES[name]
-    ours_layers = gb.layer_weights(lambda key: gb.random_weights(key, e, h, i))
-    tk_layers = gb.layer_weights(
-        lambda key: (int4_qarray(key, e, 2 * i, h), int4_qarray(jax.random.fold_in(key, 1), e, h, i)))
-    ours_multi = jax.jit(lambda x, wts, ids, w: [
-        wna16_gpu.fused_marlin_moe(x, wts[j], w[j], ids[j]) for j in range(gb.ROUTING_SETS)])
-    tk_multi = jax.jit(lambda x, wts, ids, w: [
-        tokamax_layer(x, ids[j], w[j], *wts[j]) for j in range(gb.ROUTING_SETS)])
-    bytes_per_expert = (2 * i * h + i * h) // 2
-    for t in (int(v) for v in args.tokens.split(",")):
-      sets = gb.routing_sets(t, t, e, k)
-      x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
-      ids_stack = jnp.stack([jnp.asarray(ids) for ids, _ in sets])
-      w_stack = jnp.stack([jnp.asarray(w) for _, w in sets])
-      hit = gb.mean_experts_hit(ids for ids, _ in sets)
-      flops = 2.0 * t * k * 3 * h * i
-      row = dict(shape=name, T=t, experts_hit=hit)
-      for label, fn, layers in (("ours", ours_multi, ours_layers), ("tokamax", tk_multi, tk_layers)):
-        try:
-          sec = gb.time_calls(lambda a, b: fn(x, layers, a, b), [(ids_stack, w_stack)]
-                              ) / gb.ROUTING_SETS
-          row[f"{label}_us"] = sec * 1e6
-          row[f"{label}_tflops"] = flops / sec / 1e12
-          row[f"{label}_hbm_frac"] = hit * bytes_per_expert / sec / hbm
-        except Exception as err:  # pylint: disable=broad-except
-          print(f"{label} failed at {name} T={t}: {type(err).__name__}: {str(err)[:400]}",
-                flush=True)
-          row[f"{label}_us"] = None
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-    del ours_layers, tk_layers
+  tokamax_weights = lambda key, e, h, i: (
+      int4_qarray(key, e, 2 * i, h), int4_qarray(jax.random.fold_in(key, 1), e, h, i))
+  rows = gb.peer_rows(
+      args.shapes.split(","), [int(v) for v in args.tokens.split(",")],
+      [("tokamax", tokamax_weights,
+        lambda x, wts, ids, w: tokamax_layer(x, ids, w, *wts)),
+       ("ours", gb.random_weights,
+        lambda x, wts, ids, w: wna16_gpu.fused_marlin_moe(x, wts, w, ids))], hbm=hbm)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=dev.device_kind, hbm=hbm, rows=rows), f, indent=1)
   print(f"\n{dev.device_kind}, bf16 activations, int4 weights, group {gb.GROUP}; per layer, 8 "
-        "layers (own weights and routing) in one jit; %HBM: int4 bytes of the experts hit / copy rate")
-  print(f"{'shape':18} {'T':>5} {'ours us':>9} {'%HBM':>5} {'TFLOP/s':>8} {'tokamax us':>11} "
-        f"{'%HBM':>5} {'TFLOP/s':>8} {'tokamax/ours':>12}")
-  fmt = lambda v, f: "n/a" if v is None else format(v, f)
+        "layers (own weights and routing) in one jit")
+  gb.print_peer_table(rows, ("tokamax", "ours"))
   for r in rows:
-    a, b = r.get("ours_us"), r.get("tokamax_us")
-    print(f"{r['shape']:18} {r['T']:5d} {fmt(a, '.1f'):>9} "
-          f"{fmt(a and 100 * r['ours_hbm_frac'], '.0f'):>5} {fmt(a and r['ours_tflops'], '.1f'):>8} "
-          f"{fmt(b, '.1f'):>11} {fmt(b and 100 * r['tokamax_hbm_frac'], '.0f'):>5} "
-          f"{fmt(b and r['tokamax_tflops'], '.1f'):>8} {fmt(a and b and b / a, '.2f'):>12}")
+    print(f"{r['shape']} T={r['T']}: % of the copy rate "
+          + ", ".join(f"{l} {100 * r[l + '_hbm_frac']:.0f}" for l in ("tokamax", "ours")
+                      if r.get(l + "_hbm_frac") is not None))
 
 
 if __name__ == "__main__":

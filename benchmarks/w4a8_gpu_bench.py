@@ -10,7 +10,6 @@ operations for W4A8). Run: python3 benchmarks/w4a8_gpu_bench.py [--shapes A,B] [
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -44,54 +43,21 @@ def random_w4a8_weights(key, e, h, i, group=gb.GROUP):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", default=",".join(gb.SHAPES))
-  ap.add_argument("--tokens", default=",".join(str(t) for t in gb.TOKENS))
-  ap.add_argument("--json", default=None)
-  args = ap.parse_args()
+  args = gb.peer_argument_parser().parse_args()
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}", flush=True)
-  rows = []
-  for name in args.shapes.split(","):
-    e, k, h, i = gb.SHAPES[name]
-    wna16_layers = gb.layer_weights(lambda key: gb.random_weights(key, e, h, i))
-    w4a8_layers = gb.layer_weights(lambda key: random_w4a8_weights(key, e, h, i))
-    wna16_multi = jax.jit(lambda x, wts, ids, w: [
-        wna16_gpu.fused_marlin_moe(x, wts[j], w[j], ids[j]) for j in range(gb.ROUTING_SETS)])
-    w4a8_multi = jax.jit(lambda x, wts, ids, w: [
-        w4a8_gpu.w4a8_gpu_moe(x, wts[j], w[j], ids[j]) for j in range(gb.ROUTING_SETS)])
-    for t in (int(v) for v in args.tokens.split(",")):
-      sets = gb.routing_sets(t, t, e, k)
-      x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
-      ids_stack = jnp.stack([jnp.asarray(ids) for ids, _ in sets])
-      w_stack = jnp.stack([jnp.asarray(w) for _, w in sets])
-      row = dict(shape=name, T=t)
-      for label, fn, layers in (("wna16", wna16_multi, wna16_layers),
-                                ("w4a8", w4a8_multi, w4a8_layers)):
-        try:
-          sec = gb.time_calls(lambda a, b: fn(x, layers, a, b), [(ids_stack, w_stack)]
-                              ) / gb.ROUTING_SETS
-          row[f"{label}_us"] = sec * 1e6
-          row[f"{label}_tflops"] = 2.0 * t * k * 3 * h * i / sec / 1e12
-        except Exception as err:  # pylint: disable=broad-except
-          print(f"{label} failed at {name} T={t}: {str(err)[:300]}", flush=True)
-          row[f"{label}_us"] = None
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-    del wna16_layers, w4a8_layers
+  rows = gb.peer_rows(
+      args.shapes.split(","), [int(v) for v in args.tokens.split(",")],
+      [("wna16", gb.random_weights,
+        lambda x, wts, ids, w: wna16_gpu.fused_marlin_moe(x, wts, w, ids)),
+       ("w4a8", random_w4a8_weights,
+        lambda x, wts, ids, w: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids))])
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=dev.device_kind, rows=rows), f, indent=1)
   print(f"\n{dev.device_kind}, bf16 activations, int4 group {gb.GROUP}; per layer, 8 layers "
-        "(own weights and routing) in one jit")
-  print(f"{'shape':18} {'T':>5} {'wna16 us':>9} {'TFLOP/s':>8} {'w4a8 us':>9} {'TOP/s':>8} "
-        f"{'wna16/w4a8':>10}")
-  for r in rows:
-    a, b = r.get("wna16_us"), r.get("w4a8_us")
-    fmt = lambda v: "failed" if v is None else f"{v:.1f}"
-    print(f"{r['shape']:18} {r['T']:5d} {fmt(a):>9} {fmt(r.get('wna16_tflops')):>8} "
-          f"{fmt(b):>9} {fmt(r.get('w4a8_tflops')):>8} "
-          f"{'n/a' if a is None or b is None else f'{a / b:.2f}':>10}")
+        "(own weights and routing) in one jit; W4A8's TFLOP/s count int8 operations")
+  gb.print_peer_table(rows, ("wna16", "w4a8"))
 
 
 if __name__ == "__main__":
