@@ -1,5 +1,6 @@
 """The CPU benchmark runs end to end on a tiny shape (as a script, importing whichever jax_moeq
-is installed or on PYTHONPATH), and the native read-bandwidth probe behind its "% DRAM"."""
+is installed or on PYTHONPATH), the native read-bandwidth probe behind its "% DRAM", and the GPU
+benchmarks' side-by-side harness on CPU ops."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jax_moeq import _ffi
@@ -60,3 +63,30 @@ def test_ep_dispatch_bench_runs_on_a_tiny_layer(tmp_path):
   for row in rows:
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[1]) > 0 and float(cells[2]) > 0, row
+
+
+def test_gpu_peer_harness_times_each_op_and_reports_a_refusal(monkeypatch, capsys):
+  # The side-by-side harness of the GPU benchmarks (w4a8_gpu_bench, tokamax_bench), on CPU ops.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import gpu_moe_bench as gb  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(gb.SHAPES, "tiny", (4, 2, 128, 64))
+  make = lambda key, e, h, i: jax.random.normal(key, (e, h, i), jnp.float32)
+
+  def layer(x, w, ids, weights):
+    y = jnp.einsum("th,thi->ti", x.astype(jnp.float32), w[ids[:, 0]])
+    return y * weights[:, :1]
+
+  def refuse(x, w, ids, weights):
+    raise NotImplementedError("no kernel for this shape")
+
+  rows = gb.peer_rows(["tiny"], [1, 5], [("a", make, layer), ("b", make, refuse)], hbm=1e11)
+  assert [(r["shape"], r["T"]) for r in rows] == [("tiny", 1), ("tiny", 5)]
+  for r in rows:
+    assert r["a_us"] > 0 and r["a_tflops"] > 0 and 0 < r["a_hbm_frac"]
+    assert r["b_us"] is None and 1 <= r["experts_hit"] <= 4
+  out = capsys.readouterr().out
+  assert out.count("b failed at tiny") == 2 and "no kernel for this shape" in out
+  gb.print_peer_table(rows + [dict(rows[0], b_us=2 * rows[0]["a_us"], b_tflops=1.0)], ("a", "b"))
+  table = capsys.readouterr().out.splitlines()
+  assert table[0].split()[-1] == "a/b" and table[1].split()[-1] == "n/a"
+  assert table[-1].split()[-1] == "0.50"
