@@ -170,20 +170,27 @@ def ragged_time(ragged, x, call_args, w13, w2):
   return time_calls(lambda *a: ragged(x, *a, w13, w2), call_args, min_time=0.1, reps=3)
 
 
-def ragged_moe(x, ids, w, w13, w2):
-  """bf16 MoE through jax.lax.ragged_dot (sorted pairs), the JAX baseline."""
+def grouped_gemm_moe(x, ids, w, w13, w2, experts, dot):
+  """The grouped-GEMM MoE of the peers: (token, slot) pairs sorted by expert, rows gathered,
+  dot(rows, w13, group_sizes), SwiGLU in f32, dot(act, w2, group_sizes), weighted and
+  scatter-added back to the tokens in f32."""
   t, k = ids.shape
-  e = w13.shape[0]
   flat = ids.reshape(-1)
   order = jnp.argsort(flat)
   rows = x[order // k]
-  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-  y13 = jax.lax.ragged_dot(rows, w13, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+  sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+  y13 = dot(rows, w13, sizes).astype(x.dtype)
   i = y13.shape[-1] // 2
   a = (jax.nn.silu(y13[:, :i].astype(jnp.float32)) * y13[:, i:]).astype(x.dtype)
-  y2 = jax.lax.ragged_dot(a, w2, sizes, preferred_element_type=jnp.float32)
-  y2 = y2 * w.reshape(-1)[order][:, None]
+  y2 = dot(a, w2, sizes).astype(jnp.float32) * w.reshape(-1)[order][:, None]
   return jnp.zeros((t, x.shape[1]), jnp.float32).at[order // k].add(y2).astype(x.dtype)
+
+
+def ragged_moe(x, ids, w, w13, w2):
+  """bf16 MoE through jax.lax.ragged_dot (sorted pairs), the JAX baseline."""
+  return grouped_gemm_moe(
+      x, ids, w, w13, w2, w13.shape[0],
+      lambda a, b, sizes: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32))
 
 
 def torch_bench(e, k, h, i, t, sets, min_time=0.2):

@@ -58,20 +58,11 @@ def mosaic_gpu_op():
 def tokamax_layer(x, ids, w, w13, w2):
   """One MoE layer through tokamax.ragged_dot with int4 weights (see the module docstring)."""
   import tokamax  # pylint: disable=import-outside-toplevel
-  t, k = ids.shape
-  e = w13.qvalue.shape[0]
-  flat = ids.reshape(-1)
-  order = jnp.argsort(flat)
-  rows = x[order // k]
-  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-  dot = lambda a, b: tokamax.ragged_dot_general(
-      a, b, sizes, ragged_dot_dimension_numbers=TRANS_RHS,
-      preferred_element_type=jnp.bfloat16, implementation=[mosaic_gpu_op()])
-  y13 = dot(rows, w13)
-  i = y13.shape[-1] // 2
-  a = (jax.nn.silu(y13[:, :i].astype(jnp.float32)) * y13[:, i:]).astype(x.dtype)
-  y2 = dot(a, w2).astype(jnp.float32) * w.reshape(-1)[order][:, None]
-  return jnp.zeros((t, x.shape[1]), jnp.float32).at[order // k].add(y2).astype(x.dtype)
+  return gb.grouped_gemm_moe(
+      x, ids, w, w13, w2, w13.qvalue.shape[0],
+      lambda a, b, sizes: tokamax.ragged_dot_general(
+          a, b, sizes, ragged_dot_dimension_numbers=TRANS_RHS,
+          preferred_element_type=jnp.bfloat16, implementation=[mosaic_gpu_op()]))
 
 
 def main():
