@@ -1,6 +1,7 @@
 """Timing helpers shared by the benchmarks: median wall time after warm-up, a read-bandwidth
 probe, the CPU's model, ISA flags and last-level cache, progress lines on stderr, and markdown
-tables; and where the benchmarks import jax_moeq from (use_source_tree_if_not_installed)."""
+tables; the machine in one line (machine_info, machine_line: CPU, or GPU and its clocks); and where
+the benchmarks import jax_moeq from (use_source_tree_if_not_installed)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -173,3 +175,51 @@ def last_level_cache() -> tuple[int, int] | None:
 
 def usable_cores() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _nvidia_smi() -> dict[str, str] | None:
+  fields = "name,clocks.sm,clocks.max.sm,clocks.mem,driver_version"
+  try:
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+  except (OSError, subprocess.SubprocessError):
+    return None
+  first = out.strip().splitlines()[0] if out.strip() else ""
+  values = [v.strip() for v in first.split(",")]
+  return dict(zip(fields.split(","), values)) if len(values) == 5 else None
+
+
+def _kernel_isa() -> str | None:
+  try:
+    from jax_moeq import _ffi
+    return str(_ffi.cpu_module().selected_isa())
+  except Exception:  # the CPU library is optional for GPU runs
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+  """CPU model, cores, ISA flags, LLC; the accelerator and its clocks (nvidia-smi) when present."""
+  import jax
+  cpu, flags = cpu_model_and_flags()
+  llc = last_level_cache()
+  info: dict[str, Any] = {
+      "cpu": cpu, "cores": usable_cores(),
+      "isa": [f for f in ISA_FLAGS if f in flags],
+      "llc": None if llc is None else f"L{llc[0]} {llc[1] >> 20} MiB",
+      "kernel_isa": _kernel_isa(), "platform": jax.default_backend(),
+      "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+  if info["platform"] == "gpu":
+    info["nvidia_smi"] = _nvidia_smi()
+  return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+  """One short line naming the machine, printed beside every figure."""
+  if info["platform"] == "gpu":
+    smi = info.get("nvidia_smi") or {}
+    clocks = (f", SM {smi['clocks.sm']} (max {smi['clocks.max.sm']}), mem {smi['clocks.mem']}"
+              if smi else "")
+    return f"{smi.get('name', info['device'])}{clocks}"
+  isa = "+".join(f for f in info["isa"] if f != "avx512f") or "no avx2"
+  return (f"{info['cpu']}, {info['cores']} cores, {isa}, {info['llc'] or 'LLC ?'}, kernel "
+          f"{info['kernel_isa']}")

@@ -31,7 +31,6 @@ import inspect
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Iterator
@@ -58,53 +57,6 @@ VARIANTS: dict[str, tuple[str | None, str]] = {
     "mxint4": ("mxint4", "auto"),
 }
 DEFAULT_VARIANTS = {"cpu": "float,w4a8_int8", "gpu": "float_ragged_dot,wna16,mxint4"}
-
-
-# ------------------------------------------------------------------ the machine
-def _nvidia_smi() -> dict[str, str] | None:
-  fields = "name,clocks.sm,clocks.max.sm,clocks.mem,driver_version"
-  try:
-    out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
-  except (OSError, subprocess.SubprocessError):
-    return None
-  first = out.strip().splitlines()[0] if out.strip() else ""
-  values = [v.strip() for v in first.split(",")]
-  return dict(zip(fields.split(","), values)) if len(values) == 5 else None
-
-
-def _kernel_isa() -> str | None:
-  try:
-    from jax_moeq import _ffi
-    return str(_ffi.cpu_module().selected_isa())
-  except Exception:  # the CPU library is optional for GPU runs
-    return None
-
-
-def machine_info() -> dict[str, Any]:
-  """CPU model, cores, ISA flags, LLC; the accelerator and its clocks (nvidia-smi) when present."""
-  cpu, flags = _timing.cpu_model_and_flags()
-  llc = _timing.last_level_cache()
-  info: dict[str, Any] = {
-      "cpu": cpu, "cores": _timing.usable_cores(),
-      "isa": [f for f in _timing.ISA_FLAGS if f in flags],
-      "llc": None if llc is None else f"L{llc[0]} {llc[1] >> 20} MiB", "kernel_isa": _kernel_isa(), "platform": jax.default_backend(),
-      "device": jax.devices()[0].device_kind, "jax": jax.__version__}
-  if info["platform"] == "gpu":
-    info["nvidia_smi"] = _nvidia_smi()
-  return info
-
-
-def machine_line(info: dict[str, Any]) -> str:
-  """One short line naming the machine, printed beside every figure."""
-  if info["platform"] == "gpu":
-    smi = info.get("nvidia_smi") or {}
-    clocks = (f", SM {smi['clocks.sm']} (max {smi['clocks.max.sm']}), mem {smi['clocks.mem']}"
-              if smi else "")
-    return f"{smi.get('name', info['device'])}{clocks}"
-  isa = "+".join(f for f in info["isa"] if f != "avx512f") or "no avx2"
-  return (f"{info['cpu']}, {info['cores']} cores, {isa}, {info['llc'] or 'LLC ?'}, kernel "
-          f"{info['kernel_isa']}")
 
 
 # ------------------------------------------------------------------ the model
@@ -366,8 +318,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   args = _parse_args(argv)
-  info = machine_info()
-  machine = machine_line(info)
+  info = _timing.machine_info()
+  machine = _timing.machine_line(info)
   platform_name = "gpu" if info["platform"] == "gpu" else "cpu"
   args.dtype = args.dtype or ("bfloat16" if platform_name == "gpu" else "float32")
   names = (args.variants or DEFAULT_VARIANTS[platform_name]).split(",")

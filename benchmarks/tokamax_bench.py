@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
 import gpu_moe_bench as gb  # noqa: E402
 from jax_moeq.ops import wna16_gpu  # noqa: E402
 
@@ -68,9 +69,10 @@ def tokamax_layer(x, ids, w, w13, w2):
 def main():
   args = gb.peer_argument_parser().parse_args()
   import tokamax  # pylint: disable=import-outside-toplevel
-  dev = jax.devices()[0]
+  info = _timing.machine_info()
+  machine = _timing.machine_line(info)
   hbm = gb.copy_bandwidth()
-  print(f"device: {dev.device_kind}; copy bandwidth {hbm / 1e12:.2f} TB/s; tokamax "
+  print(f"device: {machine}; copy bandwidth {hbm / 1e12:.2f} TB/s; tokamax "
         f"{tokamax.__version__}; jax {jax.__version__}", flush=True)
   tokamax_weights = lambda key, e, h, i: (
       int4_qarray(key, e, 2 * i, h), int4_qarray(jax.random.fold_in(key, 1), e, h, i))
@@ -82,8 +84,8 @@ def main():
         lambda x, wts, ids, w: wna16_gpu.fused_marlin_moe(x, wts, w, ids))], hbm=hbm)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(device=dev.device_kind, hbm=hbm, rows=rows), f, indent=1)
-  print(f"\n{dev.device_kind}, bf16 activations, int4 weights, group {gb.GROUP}; per layer, 8 "
+      json.dump(dict(device=info["device"], machine=info, hbm=hbm, rows=rows), f, indent=1)
+  print(f"\n{machine}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 weights, group {gb.GROUP}; per layer, 8 "
         "layers (own weights and routing) in one jit")
   gb.print_peer_table(rows, ("tokamax", "ours"))
   for r in rows:

@@ -44,8 +44,9 @@ def random_w4a8_weights(key, e, h, i, group=gb.GROUP):
 
 def main():
   args = gb.peer_argument_parser().parse_args()
-  dev = jax.devices()[0]
-  print(f"device: {dev.device_kind}", flush=True)
+  info = _timing.machine_info()
+  machine = _timing.machine_line(info)
+  print(f"device: {machine}", flush=True)
   rows = gb.peer_rows(
       args.shapes.split(","), [int(v) for v in args.tokens.split(",")],
       [("wna16", gb.random_weights,
@@ -54,8 +55,8 @@ def main():
         lambda x, wts, ids, w: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids))])
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(device=dev.device_kind, rows=rows), f, indent=1)
-  print(f"\n{dev.device_kind}, bf16 activations, int4 group {gb.GROUP}; per layer, 8 layers "
+      json.dump(dict(device=info["device"], machine=info, rows=rows), f, indent=1)
+  print(f"\n{machine}, bf16 activations, int4 group {gb.GROUP}; per layer, 8 layers "
         "(own weights and routing) in one jit; W4A8's TFLOP/s count int8 operations")
   gb.print_peer_table(rows, ("wna16", "w4a8"))
 
