@@ -26,8 +26,9 @@
 //    The register budget (an s32 and an f32 accumulator per output) is why a warpgroup owns a
 //    64 x 64 tile here (32 + 32 accumulators per thread, 128 registers at 512 threads).
 //  - Epilogue: y = scale_t * (acc - zp_t * row_corr[n]) + bias[n] (row_corr precomputed at pack
-//    time, as the CPU layout). GEMM1 rounds gate and up to x's dtype, exchanges the up tile through
-//    shared memory, applies the activation and stores act rows; GEMM2 stores rows rounded to T.
+//    time, as the CPU layout). The tile is staged in the drained stages as floats (GEMM1: gate and
+//    up rounded to x's dtype); then every thread finishes 8 consecutive features of a token (GEMM1:
+//    the activation) and stores them as one 16-byte piece of the token's act / ws row.
 //  - Pipeline: cp.async multi-stage ring (kW8Stages stages, kW8Ahead chunks ahead), all 512
 //    threads issue their token pieces (half of them the weight fragments and scales), one barrier
 //    per chunk; up to kW8InFlight wgmma groups stay in flight between group ends. A warp-specialised TMA pipeline
@@ -46,7 +47,7 @@ namespace {
 constexpr int kW8BlockM = 128;   // tokens per expert block (wgmma N)
 constexpr int kW8Threads = 512;  // four warpgroups
 constexpr int kW8Chunk = 128;    // inputs per pipeline stage (4 k-steps of 32)
-constexpr int kW8Stages = 5;
+constexpr int kW8Stages = 6;
 constexpr int kW8Ahead = kW8Stages - 2;  // the stage refilled was read two chunks ago
 constexpr int kW8InFlight = 3;
 constexpr int kW8StageTokens = kW8BlockM * kW8Chunk;        // 16 KB of int8
@@ -55,8 +56,8 @@ constexpr int kW8StageScales = 256 * 4 * 8;  // up to 4 groups x float2 per lane
 constexpr int kW8StageBytes = kW8StageTokens + kW8StageWeights + kW8StageScales;  // 32 KB
 constexpr int kW8SmemBytes = kW8Stages * kW8StageBytes + 1024;
 static_assert(kW8StageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
-constexpr int kW8XchStride = kW8BlockM + 4;  // floats per row of GEMM1's up-tile exchange
-static_assert(64 * kW8XchStride * 4 <= kW8Stages * kW8StageBytes, "exchange fits the stages");
+constexpr int kW8TileStride = kW8BlockM + 4;  // floats per row of the epilogue's staged tile
+static_assert(128 * kW8TileStride * 4 <= kW8Stages * kW8StageBytes, "the tile fits the stages");
 // Largest K: |sum of 16 q qa| <= K * 2^14 must stay below 2^31.
 constexpr int64_t kW8MaxFeatures = 65536;
 
@@ -84,6 +85,27 @@ __device__ __forceinline__ void StoreOut(void* base, int64_t index, float v) {
     reinterpret_cast<float*>(base)[index] = v;
   } else {
     reinterpret_cast<T*>(base)[index] = HalfType<T>::from_float(v);
+  }
+}
+
+// Eight values rounded to T at base[index..index + 8) with 16-byte stores (index % 8 == 0, base
+// 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void StoreOut8(void* base, int64_t index, const float (&v)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(base) + index);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const T lo = HalfType<T>::from_float(v[2 * i]);
+      const T hi = HalfType<T>::from_float(v[2 * i + 1]);
+      w[i] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
+             (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16);
+    }
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(base) + index) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -514,41 +536,43 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
     const float2 tp = tok_param[64 * half + 8 * (i >> 2) + 2 * t + (i & 1)];
     return (accf[i] - tp.y * rc[h]) * tp.x + bias[h];
   };
-  if constexpr (kGemm1) {
-    float* xch = reinterpret_cast<float*>(w8_smem_raw + (smem - SharedAddress(w8_smem_raw)));
-    const int local_row = 16 * (warp & 3) + g;
-    if (rt == 1) {
+  // The tile goes through shared memory (the drained stages) as floats, [row][token], so that
+  // each thread then finishes 8 consecutive features of one token and stores them as one 16-byte
+  // piece (32 for f32) of the token's row: a token's features are contiguous in act and ws.
+  float* tile = reinterpret_cast<float*>(w8_smem_raw + (smem - SharedAddress(w8_smem_raw)));
+  const int tile_row = 64 * rt + 16 * (warp & 3) + g;  // + 8 h
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
-        xch[(local_row + 8 * ((i >> 1) & 1)) * kW8XchStride + col] = RoundOut<T>(output(i));
+  for (int i = 0; i < 32; ++i) {
+    const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
+    const float y = output(i);
+    // GEMM1 rounds gate and up to T before the activation, as the reference.
+    tile[(tile_row + 8 * ((i >> 1) & 1)) * kW8TileStride + col] = kGemm1 ? RoundOut<T>(y) : y;
+  }
+  __syncthreads();
+  // GEMM1: rows 0..63 are the gate rows of act features 64 nt.., rows 64..127 the matching up
+  // rows. GEMM2: rows 0..127 are features 128 nt.. of ws (those past N are not stored).
+  constexpr int kOutRows = kGemm1 ? 64 : 128;
+  constexpr int kItems = kOutRows / 8 * kW8BlockM;  // (8-feature piece, token) pairs
+  const int out_ld = kGemm1 ? p.n / 2 : p.n;
+  const int feature0 = kOutRows * n_tile;
+#pragma unroll
+  for (int item = tid; item < kItems; item += kW8Threads) {
+    const int col = item % kW8BlockM;  // a warp takes 32 tokens of one piece: no bank conflicts
+    const int row0 = 8 * (item / kW8BlockM);
+    const int id = tok_id[col];
+    if (id >= p.num_rows || feature0 + row0 >= (kGemm1 ? out_ld : p.n)) continue;
+    float v[8];
+#pragma unroll
+    for (int f = 0; f < 8; ++f) {
+      const float y = tile[(row0 + f) * kW8TileStride + col];
+      if constexpr (kGemm1) {
+        const float up = tile[(64 + row0 + f) * kW8TileStride + col];
+        v[f] = W4a8Activation<T>(p.activation, y, up);
+      } else {
+        v[f] = y;
       }
     }
-    __syncthreads();
-    if (rt == 0) {
-      const int half_n = p.n / 2;
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
-        const int id = tok_id[col];
-        if (id >= p.num_rows) continue;
-        const int h = (i >> 1) & 1;
-        const float up = xch[(local_row + 8 * h) * kW8XchStride + col];
-        const float gate = RoundOut<T>(output(i));
-        const float y = RoundOut<T>(W4a8Activation<T>(p.activation, gate, up));
-        StoreOut<T>(p.act, static_cast<int64_t>(id) * half_n + sub * 16 + g + 8 * h, y);
-      }
-    }
-  } else {
-    if (!tile_ok) return;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
-      const int id = tok_id[col];
-      if (id >= p.num_rows) continue;
-      StoreOut<T>(p.ws, static_cast<int64_t>(id) * p.n + sub * 16 + g + 8 * ((i >> 1) & 1),
-                  output(i));
-    }
+    StoreOut8<T>(kGemm1 ? p.act : p.ws, static_cast<int64_t>(id) * out_ld + feature0 + row0, v);
   }
 }
 
