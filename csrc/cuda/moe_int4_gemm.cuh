@@ -337,7 +337,7 @@ __device__ __forceinline__ void ClearWithGrid(float* dst, int64_t count) {
 // pairs whose expert e is in [0, experts) (f32 sum in slot order, bias optional; 0 without any),
 // rounding as the reference does. Used by the finalize kernels and GEMM2's fused finalize; ws is
 // read from L2 (in the fused case other CTAs of the same kernel added into it).
-template <typename T>
+template <typename T, int kCols = 1>
 __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32_t* pair_experts,
                                                     int experts, const float* topk_weights,
                                                     const float* bias, int top_k, int n, int t,
@@ -345,12 +345,15 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
   // Eight pairs' loads are issued before any is used: two memory latencies per eight pairs (ids,
   // then weights and ws rows), not one per pair (a loop of dependent loads made this reduction
   // ~7 us at Qwen3 T=16). A pair whose expert is outside [0, experts) has no ws row written (no
-  // GEMM ran for it), so its row is not read. The sum keeps the order of k.
+  // GEMM ran for it), so its row is not read. The sum keeps the order of k. kCols = 4: columns
+  // col..col + 3 with 16-byte loads (col % 4 == 0, n % 4 == 0), the bytes in flight that a token
+  // of few pairs needs to stream ws at large T.
+  static_assert(kCols == 1 || kCols == 4, "one or four columns");
   constexpr int kBatch = 8;
-  float sum = 0.0f;
+  float sum[kCols] = {};
   for (int k0 = 0; k0 < top_k; k0 += kBatch) {
     int e[kBatch];
-    float y[kBatch], w[kBatch];
+    float y[kBatch][kCols], w[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       e[j] = k0 + j < top_k ? __ldg(pair_experts + t * top_k + k0 + j) : -1;
@@ -360,17 +363,50 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
       const int pair = t * top_k + k0 + j;
       const bool in = e[j] >= 0 && e[j] < experts;
       w[j] = in ? __ldg(topk_weights + pair) : 0.0f;
-      y[j] = in ? __ldcg(ws + static_cast<int64_t>(pair) * n + col) : 0.0f;
+      const float* row = ws + static_cast<int64_t>(pair) * n + col;
+      if constexpr (kCols == 4) {
+        const float4 v = in ? __ldcg(reinterpret_cast<const float4*>(row)) : float4{};
+        y[j][0] = v.x;
+        y[j][1] = v.y;
+        y[j][2] = v.z;
+        y[j][3] = v.w;
+      } else {
+        y[j][0] = in ? __ldcg(row) : 0.0f;
+      }
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       if (e[j] < 0 || e[j] >= experts) continue;
-      float v = y[j];
-      if (bias) v += __ldg(bias + static_cast<int64_t>(e[j]) * n + col);
-      sum += RoundTo<T>(v * w[j]);
+      float b[kCols] = {};
+      if (bias) {
+        const float* brow = bias + static_cast<int64_t>(e[j]) * n + col;
+        if constexpr (kCols == 4) {
+          const float4 v = __ldg(reinterpret_cast<const float4*>(brow));
+          b[0] = v.x;
+          b[1] = v.y;
+          b[2] = v.z;
+          b[3] = v.w;
+        } else {
+          b[0] = __ldg(brow);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        float v = y[j][c];
+        if (bias) v += b[c];
+        sum[c] += RoundTo<T>(v * w[j]);
+      }
     }
   }
-  StoreHalf<T>(out, static_cast<int64_t>(t) * n + col, sum);
+  const int64_t at = static_cast<int64_t>(t) * n + col;
+  if constexpr (kCols == 4) {
+    T h[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) h[c] = HalfType<T>::from_float(sum[c]);
+    *reinterpret_cast<uint2*>(reinterpret_cast<T*>(out) + at) = *reinterpret_cast<const uint2*>(h);
+  } else {
+    StoreHalf<T>(out, at, sum[0]);
+  }
 }
 
 // GEMM1's fused activation on the one-token path when split (MoeGemmArgs::act_arrivals): this
@@ -730,9 +766,25 @@ static __global__ void __launch_bounds__(1024)
   for (int i = threadIdx.x; i < max_padded; i += blockDim.x) sorted_ids[i] = num_pairs;
   for (int i = threadIdx.x; i < max_blocks; i += blockDim.x) expert_ids[i] = -1;
   __syncthreads();
-  for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-    const int e = pair_id(i);
-    if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
+  // The pair ids are read kIdBatch at a time, all loads before any atomic, so a thread waits one
+  // memory latency per batch rather than per pair (one CTA streams T*K ids: ~50 us at 32768
+  // pairs when each pair waited for its load).
+  constexpr int kIdBatch = 8;
+  const int stride = static_cast<int>(blockDim.x);
+  auto load_batch = [&](int i0, int (&e)[kIdBatch]) {
+#pragma unroll
+    for (int j = 0; j < kIdBatch; ++j) {
+      const int i = i0 + j * stride;
+      e[j] = i < num_pairs ? pair_id(i) : -1;
+    }
+  };
+  for (int i0 = threadIdx.x; i0 < num_pairs; i0 += kIdBatch * stride) {
+    int e[kIdBatch];
+    load_batch(i0, e);
+#pragma unroll
+    for (int j = 0; j < kIdBatch; ++j) {
+      if (e[j] >= 0 && e[j] < experts) atomicAdd(&counts[e[j]], 1);
+    }
   }
   __syncthreads();
   // Exclusive prefix sum of the padded counts, block-wide (a serial loop over E in one thread
@@ -776,9 +828,13 @@ static __global__ void __launch_bounds__(1024)
     for (int b = first; b < last; ++b) expert_ids[b] = e;
   }
   __syncthreads();  // expert_ids written before any later reader (next kernel) anyway
-  for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-    const int e = pair_id(i);
-    if (e >= 0 && e < experts) sorted_ids[atomicAdd(&cursor[e], 1)] = i;
+  for (int i0 = threadIdx.x; i0 < num_pairs; i0 += kIdBatch * stride) {
+    int e[kIdBatch];
+    load_batch(i0, e);
+#pragma unroll
+    for (int j = 0; j < kIdBatch; ++j) {
+      if (e[j] >= 0 && e[j] < experts) sorted_ids[atomicAdd(&cursor[e[j]], 1)] = i0 + j * stride;
+    }
   }
 }
 

@@ -37,9 +37,9 @@ __global__ void MxInt4FinalizeKernel(const float* ws, const int32_t* local_ids,
   WaitForPriorGrids();
   AllowDependentGrids();
   const int t = blockIdx.x;
-  const int n = blockIdx.y * blockDim.x + threadIdx.x;
+  const int n = 4 * (blockIdx.y * blockDim.x + threadIdx.x);  // hidden % 64 == 0 (GEMM1's K)
   if (t >= tokens || n >= hidden) return;
-  FinalizeTokenColumn<Bf16>(ws, local_ids, local_experts, topk_weights, nullptr, top_k, hidden,
+  FinalizeTokenColumn<Bf16, 4>(ws, local_ids, local_experts, topk_weights, nullptr, top_k, hidden,
                             t, n, out);
 }
 
@@ -272,7 +272,7 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   if (direct) return "";
 
   // 5. Top-k weights and reduction over k.
-  const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);
+  const dim3 grid(static_cast<int>(p.tokens), (H / 4 + 255) / 256);
   LaunchAfterPrior(MxInt4FinalizeKernel, grid, dim3(256), 0, stream, p.ws2, p.local_ids, L,
                    p.topk_weights, static_cast<int>(p.top_k), H, static_cast<int>(p.tokens),
                    p.out);

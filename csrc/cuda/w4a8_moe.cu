@@ -605,24 +605,29 @@ std::string LaunchW4a8Gemm(const W4a8GemmArgs& args, dim3 grid, cudaStream_t str
 // the input; pairs whose expert is outside [0, experts) contribute nothing. This is the W4A8
 // reference's rounding (reference._combine_rounded), which differs from FinalizeTokenColumn's
 // (WNA16: one f32 sum, one rounding), so the WNA16 finalize is not reused here.
+constexpr int kFinalizeThreads = 128;
+
 template <typename T>
 __global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids,
                                    const float* topk_weights, int top_k, int hidden, int tokens,
                                    int experts, bool weight_on_input, void* out) {
   WaitForPriorGrids();
   AllowDependentGrids();
+  // Each thread finishes 8 consecutive features of one token (hidden % 8 == 0): its pairs' rows
+  // are read as 16-byte pieces (32 for f32), the bytes in flight a token of few pairs needs.
   const int t = blockIdx.x;
-  const int n = blockIdx.y * blockDim.x + threadIdx.x;
+  const int n = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
   if (t >= tokens || n >= hidden) return;
   using Stored = std::conditional_t<std::is_same_v<T, float>, float, T>;
   const Stored* rows = static_cast<const Stored*>(ws);
   // Eight pairs' loads are issued before any is used (ids, then rows and weights), as in
   // FinalizeTokenColumn; the sum keeps the order of k.
   constexpr int kBatch = 8;
-  float sum = 0.0f;
+  float sum[8] = {};
   for (int k0 = 0; k0 < top_k; k0 += kBatch) {
     int e[kBatch];
-    float y[kBatch], w[kBatch];
+    float w[kBatch];
+    float y[kBatch][8];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       e[j] = k0 + j < top_k ? __ldg(topk_ids + t * top_k + k0 + j) : -1;
@@ -632,17 +637,35 @@ __global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids,
       const int pair = t * top_k + k0 + j;
       const bool in = e[j] >= 0 && e[j] < experts;
       w[j] = in && !weight_on_input ? __ldg(topk_weights + pair) : 1.0f;
-      y[j] = in ? ToFloat(rows[static_cast<int64_t>(pair) * hidden + n]) : 0.0f;
+      const Stored* src = rows + static_cast<int64_t>(pair) * hidden + n;
+      if constexpr (std::is_same_v<T, float>) {
+        const float4 lo = in ? __ldg(reinterpret_cast<const float4*>(src)) : float4{};
+        const float4 hi = in ? __ldg(reinterpret_cast<const float4*>(src) + 1) : float4{};
+        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int f = 0; f < 8; ++f) y[j][f] = v[f];
+      } else {
+        const uint4 q = in ? __ldg(reinterpret_cast<const uint4*>(src)) : uint4{};
+        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int f = 0; f < 8; ++f) {
+          const uint16_t bits = static_cast<uint16_t>(words[f / 2] >> (16 * (f % 2)));
+          y[j][f] = ToFloat(*reinterpret_cast<const T*>(&bits));
+        }
+      }
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       if (e[j] < 0 || e[j] >= experts) continue;
-      float v = y[j];  // rounded to T by GEMM2
-      if (!weight_on_input) v = RoundOut<T>(__fmul_rn(v, w[j]));
-      sum = RoundOut<T>(__fadd_rn(sum, v));
+#pragma unroll
+      for (int f = 0; f < 8; ++f) {
+        float v = y[j][f];  // rounded to T by GEMM2
+        if (!weight_on_input) v = RoundOut<T>(__fmul_rn(v, w[j]));
+        sum[f] = RoundOut<T>(__fadd_rn(sum[f], v));
+      }
     }
   }
-  StoreOut<T>(out, static_cast<int64_t>(t) * hidden + n, sum);
+  StoreOut8<T>(out, static_cast<int64_t>(t) * hidden + n, sum);
 }
 
 std::string CudaError(const char* what) {
@@ -740,8 +763,9 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   if (!err.empty()) return err;
 
   // 6. Rounded top-k weighting and the sum over slots.
-  LaunchAfterPrior(W4a8FinalizeKernel<T>, dim3(static_cast<unsigned>(p.tokens), (H + 255) / 256),
-                   dim3(256), 0, stream, static_cast<const void*>(p.ws2), p.topk_ids,
+  LaunchAfterPrior(W4a8FinalizeKernel<T>,
+                   dim3(static_cast<unsigned>(p.tokens), (H / 8 + kFinalizeThreads - 1) / kFinalizeThreads),
+                   dim3(kFinalizeThreads), 0, stream, static_cast<const void*>(p.ws2), p.topk_ids,
                    p.topk_weights, K, H, static_cast<int>(p.tokens), E, p.weight_on_input,
                    p.out);
   return CudaError("finalize kernel");

@@ -47,9 +47,9 @@ __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
   WaitForPriorGrids();
   AllowDependentGrids();
   const int t = blockIdx.x;
-  const int n = blockIdx.y * blockDim.x + threadIdx.x;
+  const int n = 4 * (blockIdx.y * blockDim.x + threadIdx.x);  // hidden % 64 == 0 (GEMM1's K)
   if (t >= tokens || n >= hidden) return;
-  FinalizeTokenColumn<T>(ws, topk_ids, experts, topk_weights, bias, top_k, hidden, t, n, out);
+  FinalizeTokenColumn<T, 4>(ws, topk_ids, experts, topk_weights, bias, top_k, hidden, t, n, out);
 }
 
 // Batched: out[e][m][n] = round(ws2 + b2) for m < count[e], else 0.
@@ -227,7 +227,7 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     LaunchAfterPrior(FinalizeBatchedKernel<T>, grid, dim3(256), 0, stream, p.ws2,
                      p.expert_num_tokens, b2, static_cast<int>(p.tokens), H, p.out);
   } else {
-    const dim3 grid(static_cast<int>(p.tokens), (H + 255) / 256);
+    const dim3 grid(static_cast<int>(p.tokens), (H / 4 + 255) / 256);
     LaunchAfterPrior(FinalizeStandardKernel<T>, grid, dim3(256), 0, stream, p.ws2, p.topk_ids,
                      p.topk_weights, b2, static_cast<int>(p.top_k), H,
                      static_cast<int>(p.tokens), E, p.out);
