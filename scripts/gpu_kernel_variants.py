@@ -168,7 +168,7 @@ def run_wna16(c: Wna16Case, check: bool) -> str:
         ids[1, 0] = -1
     poison = np.full(x.shape, np.nan, dtype)
     rows = c.t * c.k
-    block_m = c.block_m or wna16_gpu._choose_block_m(rows, c.e)
+    block_m = c.block_m or _gpu_launch.choose_block_m(rows / max(1, min(c.e, rows)))
     busy = _gpu_launch.expected_busy_blocks(rows, c.e, block_m)
     split13, split2 = _gpu_launch.choose_gemm_splits(busy, c.h, c.i, block_m, rows)
     _check_splits(c, split13, split2)

@@ -75,6 +75,10 @@ def test_mainloop_names():
   assert launch.mainloop_code(None) == launch.MAINLOOPS[launch.DEFAULT_MAINLOOP]
   assert launch.mainloop_code("async_ring") == 1
   assert launch.mainloop_code("bulk_copy") == 2
+  assert launch.mainloop_code("wgmma", 64) == 3
+  assert launch.uses_wgmma(64, 3) and launch.uses_wgmma(128, 0) and not launch.uses_wgmma(64, 0)
+  with pytest.raises(ValueError, match="wgmma main loop takes block_m"):
+    launch.mainloop_code("wgmma", 16)
   with pytest.raises(ValueError, match="mainloop must be one of"):
     launch.mainloop_code("pipelined")
 
@@ -83,6 +87,11 @@ def test_default_mainloop_follows_measurements():
   assert launch.default_mainloop("wna16", 8) == "registers"
   assert launch.default_mainloop("mxint4", 16) == "async_ring"
   assert launch.default_mainloop("mxint4", 32) == "registers"
+  # WNA16 takes the 32-token wgmma tile where block_m 32 was chosen for 12-24 pairs per expert,
+  # not for an explicit block_m (pairs unknown) nor past 24 pairs.
+  assert launch.default_mainloop("wna16", 32, 16.0) == "wgmma"
+  assert launch.default_mainloop("wna16", 32, 30.0) == "registers"
+  assert launch.default_mainloop("wna16", 32) == "registers"
 
 
 def _custom_calls(fn, *args):

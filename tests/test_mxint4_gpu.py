@@ -228,7 +228,7 @@ def test_model_shapes(name, e, k, h, i, method, t):
 @pytest.mark.parametrize("block_m,mainloop", [
     (8, "registers"), (16, "registers"), (32, "registers"), (64, "registers"),
     (8, "async_ring"), (16, "async_ring"), (32, "async_ring"), (8, "bulk_copy"),
-    (16, "bulk_copy"), (128, "registers")])
+    (16, "bulk_copy"), (128, "registers"), (32, "wgmma"), (64, "wgmma")])
 def test_block_sizes(block_m, mainloop):
   e, k, h, i, t = 16, 2, 256, 192, 100
   prepared, canon = _experts(block_m, e, h, i)

@@ -286,9 +286,15 @@ WGMMA_CASES = [
 ]
 
 
+# Token tiles of the wgmma GEMM: 128 (block_m 128), and 64 / 32 through the wgmma main loop.
+WGMMA_TILES = [dict(block_m=128), dict(block_m=64, mainloop="wgmma"),
+               dict(block_m=32, mainloop="wgmma")]
+
+
+@pytest.mark.parametrize("tile", WGMMA_TILES, ids=lambda d: f"n{d['block_m']}")
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
-def test_wgmma_vs_reference(case):
-  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, block_m=128)
+def test_wgmma_vs_reference(case, tile):
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, **tile)
   err = _rel(got, want)
   assert err <= _rounding_tol(case[6]), f"rel. Frobenius error {err:.3e}"
   # The mma.sync GEMM dequantizes to the same values and rounds at the same points: the two
@@ -298,13 +304,14 @@ def test_wgmma_vs_reference(case):
   assert _rel(got, small.astype(jnp.float32)) <= 5e-3
 
 
-def test_wgmma_batched():
+@pytest.mark.parametrize("tile", WGMMA_TILES, ids=lambda d: f"n{d['block_m']}")
+def test_wgmma_batched(tile):
   e, m, h, i = 8, 200, 512, 256
   weights, (w13, w2, b13, b2) = _build(23, e, h, i, 64, jnp.float16, backend="BATCHED_MARLIN")
   counts = jnp.array([200, 0, 3, 129, 128, 1, 77, 200], jnp.int32)
   x = jax.random.normal(jax.random.PRNGKey(24), (e, m, h), jnp.float32).astype(jnp.float16)
   poison = jnp.full(x.shape, jnp.nan, jnp.float16)
-  got = jax.jit(functools.partial(wna16_gpu.batched_fused_marlin_moe, block_m=128))(
+  got = jax.jit(functools.partial(wna16_gpu.batched_fused_marlin_moe, **tile))(
       x, counts, weights, out_init=poison)
   got = np.asarray(got.astype(jnp.float32))
   assert np.isfinite(got).all(), "unwritten (NaN) output elements"

@@ -32,7 +32,8 @@ enum class EpilogueKind {
 //  kBulkCopy: lane 0 of each warp streams the warp's weights into a private ring of shared-memory
 //              slots with bulk copies (kBulkSlots slots of two chunks per subtile, mbarrier per
 //              slot); activations and scales come through L1 into registers (block_m 8 and 16).
-enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2 };
+// kWgmma: the wgmma GEMM (moe_int4_wgmma.cuh) with a token tile of block_m (32, 64 or 128).
+enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2, kWgmma = 3 };
 
 struct MoeGemmArgs {
   const void* x = nullptr;       // rows of T, row stride ld_x (elements)

@@ -1,6 +1,7 @@
-// Prefill form of the grouped int4 GEMM (block_m 128): Hopper warpgroup MMAs (wgmma) with the
-// dequantized weights as the register A operand and a 128-token tile as the shared-memory B
-// operand. Same MoeGemmArgs, weights, scales and alignment as MoeInt4GemmKernel; no XLA types.
+// The wgmma form of the grouped int4 GEMM: Hopper warpgroup MMAs with the dequantized weights as
+// the register A operand and a token tile of block_m tokens as the shared-memory B operand: 128
+// for prefill (block_m 128), 32 or 64 through GemmMainloop::kWgmma (batched decode). Same
+// MoeGemmArgs, weights, scales and alignment as MoeInt4GemmKernel; no XLA types.
 //
 // Why this form: the weights' packed fragments (int4_mma_core.cuh) are already the A fragments of
 // mma.m16n8k16, which is also the per-warp register layout of wgmma's A operand, so each warp
@@ -14,10 +15,11 @@
 // so the inputs of GEMM1 are permuted into logical order once per call (PermuteRowsKernel in the
 // launchers) and GEMM1's epilogue writes its activation columns in logical order for GEMM2.
 //
-// CTA: 256 threads = two warpgroups, 1 CTA per SM. Warpgroup w owns "unit" u = 2 n_tile + w:
+// CTA: 256 threads = two warpgroups (one CTA per SM; two with the 32-token tile). Warpgroup w owns
+// "unit" u = 2 n_tile + w:
 // two 64-row tiles (four 16-row subtiles each, one per warp): sub0 = u * unit_mult + warp % 4 and
 // sub0 + sub_stride (GEMM1: gate rows and the matching up rows; GEMM2: 128 consecutive rows).
-// Per 64-deep chunk a stage of shared memory holds the B tile (128 tokens x 64 inputs, 128-byte
+// Per 64-deep chunk a stage of shared memory holds the B tile (block_m tokens x 64 inputs, 128-byte
 // swizzle), every warp's two weight fragments and every lane's scales; all 256 threads fill it
 // with cp.async kWgmmaAhead chunks ahead, one __syncthreads per chunk.
 #pragma once
@@ -36,12 +38,36 @@ constexpr int kWgmmaAhead = kWgmmaStages - 2;  // the stage refilled was read tw
 // MMA groups (one per k-step) a warpgroup leaves running; each k-step owns its A registers.
 constexpr int kWgmmaInFlight = 3;  // H100, Mixtral T=4096: 6.52 ms with 1, 6.33 ms with 3
 static_assert(kWgmmaInFlight >= 1 && kWgmmaInFlight <= 3, "4 k-steps of A registers per chunk");
-constexpr int kWgStageTokens = kWgmmaBlockM * 128;        // 128 rows x 64 inputs x 2 bytes
 constexpr int kWgStageWeights = (kWgmmaThreads / 32) * 2 * 512;
 constexpr int kWgStageWords = 2 * kWgmmaThreads * 4;      // a scale (or zero) word per tile, lane
-constexpr int kWgStageBytes = kWgStageTokens + kWgStageWeights + 2 * kWgStageWords;  // 28 KB
-constexpr int kWgmmaSmemBytes = kWgmmaStages * kWgStageBytes + 1024;  // + alignment slack
-static_assert(kWgStageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
+
+// The token tile: kN tokens (block_m), 128 at block_m 128 (prefill) and, through the kWgmma main
+// loop, 64 or 32 (batched decode, where a 128-token tile would mostly be padding). A stage holds
+// the kN x 64-input token tile, the weight fragments and the scale / zero words: 28 / 20 / 16 KB
+// at 128 / 64 / 32.
+template <int kN>
+struct WgmmaTile {
+  static_assert(kN == 32 || kN == 64 || kN == 128, "token tiles of 32, 64 or 128");
+  static constexpr int kStageTokens = kN * 128;  // kN rows x 64 inputs x 2 bytes
+  static constexpr int kStageBytes = kStageTokens + kWgStageWeights + 2 * kWgStageWords;
+  static constexpr int kSmemBytes = kWgmmaStages * kStageBytes + 1024;  // + alignment slack
+  // Two CTAs per SM cap registers at 128: the 32-token tile fits (no spills), 64 would spill.
+  static constexpr int kCtasPerSm = kN == 32 ? 2 : 1;
+  static_assert(kStageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
+};
+
+// d (+)= A x B for a kN-token tile.
+template <typename T, int kN>
+__device__ __forceinline__ void WgmmaTileMma(float (&d)[kN / 2], const uint32_t (&a)[4],
+                                             uint64_t desc_b) {
+  if constexpr (kN == 128) {
+    WgmmaM64N128K16<T>(d, a, desc_b);
+  } else if constexpr (kN == 64) {
+    WgmmaM64N64K16<T>(d, a, desc_b);
+  } else {
+    WgmmaM64N32K16<T>(d, a, desc_b);
+  }
+}
 
 // x_perm[id][j] = x[id / in_div][perm[e][c(j)]], e the row's expert (act-order; without perm the
 // column is c(j)), where c(j) = j, or the physical column of logical position j when
@@ -74,13 +100,13 @@ static __global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* 
 // instead of 64 scattered 2-byte ones. Every thread of the CTA must call it (two barriers);
 // warps of an idle warpgroup (odd unit count) pass tile_ok = false and store nothing.
 constexpr int kWgOutRowBytes = 128 * 2 + 16;  // + 16 bytes: row starts spread over the banks
-static_assert(kWgmmaBlockM * kWgOutRowBytes <= kWgmmaStages * kWgStageBytes,
-              "the output tile fits in the pipeline stages");
 
-template <typename T, int kActivationKind>
+template <typename T, int kActivationKind, int kN>
 __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32_t smem, int blk,
                                                     int expert, int n_tile,
-                                                    const float (&acc)[2][64], bool tile_ok) {
+                                                    const float (&acc)[2][kN / 2], bool tile_ok) {
+  static_assert(kN * kWgOutRowBytes <= kWgmmaStages * WgmmaTile<kN>::kStageBytes,
+                "the output tile fits in the pipeline stages");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int half_n = p.n / 2;
@@ -95,7 +121,7 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
       const int col = 64 * (warp >> 2) + LogicalOfPhysical(16 * (warp & 3) + g + 8 * rh);
       const uint32_t dst = smem + 2 * t * kWgOutRowBytes + 2 * col;
 #pragma unroll
-      for (int nb = 0; nb < 16; ++nb) {
+      for (int nb = 0; nb < kN / 8; ++nb) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 4 * nb + 2 * rh + e;
@@ -111,10 +137,10 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
   // Column pieces of 8 past the last unit's columns belong to an idle warpgroup.
   const int cols = min(128, 64 * (p.units - 2 * n_tile));
 #pragma unroll
-  for (int i = 0; i < kWgmmaBlockM * 16 / kWgmmaThreads; ++i) {
+  for (int i = 0; i < kN * 16 / kWgmmaThreads; ++i) {
     const int v = tid + kWgmmaThreads * i;
     const int r = v >> 4, q = v & 15;
-    const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + r);
+    const int id = __ldg(p.sorted_ids + blk * kN + r);
     if (id >= p.num_rows || 8 * q >= cols) continue;
     const uint4 piece = LdShared128(smem + r * kWgOutRowBytes + 16 * q);
     *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.act) + static_cast<int64_t>(id) * half_n +
@@ -127,15 +153,17 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
 // N tiles, whose weights it reads once while the (small) permuted inputs stay in L2. GEMM2's
 // input (T*K rows of I) does not fit in L2, so it runs N tiles fastest: the CTAs of one token
 // block run together and read its rows once (Mixtral T=4096: ~2 GB of re-reads otherwise).
-template <typename T, NibbleCode kCode, bool kExpertBlockFastest>
-__global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmArgs p) {
+template <typename T, NibbleCode kCode, bool kExpertBlockFastest, int kN>
+__global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
+    MoeInt4WgmmaKernel(MoeGemmArgs p) {
+  using Tile = WgmmaTile<kN>;
   WaitForPriorGrids();
   AllowDependentGrids();
   const int blk = kExpertBlockFastest ? blockIdx.x : blockIdx.y;
   const int n_tile = kExpertBlockFastest ? blockIdx.y : blockIdx.x;
   // Whole-CTA exits only (every thread takes part in the barriers below).
-  if (blk * kWgmmaBlockM >= __ldg(p.num_post_padded)) return;
-  if (__ldg(p.sorted_ids + blk * kWgmmaBlockM) >= p.num_rows) return;  // empty block
+  if (blk * kN >= __ldg(p.num_post_padded)) return;
+  if (__ldg(p.sorted_ids + blk * kN) >= p.num_rows) return;  // empty block
   const int expert = __ldg(p.expert_ids + blk);
   if (expert < 0) return;
 
@@ -162,11 +190,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   const int piece = tid & 7;
   const int row_in_atom = (tid >> 3) & 7;
   const uint32_t tile_off = (tid >> 6) * 1024 + row_in_atom * 128 + ((piece ^ row_in_atom) << 4);
-  const T* xcur[4];
-  uint32_t xbytes[4];
+  constexpr int kPieces = kN / 32;
+  const T* xcur[kPieces];
+  uint32_t xbytes[kPieces];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + (tid >> 3) + 32 * i);
+  for (int i = 0; i < kPieces; ++i) {
+    const int id = __ldg(p.sorted_ids + blk * kN + (tid >> 3) + 32 * i);
     const bool ok = id < p.num_rows;
     xbytes[i] = ok ? 16 : 0;
     xcur[i] = reinterpret_cast<const T*>(p.x) +
@@ -184,12 +213,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
     zero_base[j] = p.zeros ? p.zeros + row : nullptr;
   }
   const uint32_t group_stride = static_cast<uint32_t>(n_sub) * 8;
-  const uint32_t weight_off = kWgStageTokens + (warp * 2 * 32 + lane) * 16;  // tile j: + 512 j
-  const uint32_t word_off = kWgStageTokens + kWgStageWeights + tid * 4;  // word q: + 1024 q
+  const uint32_t weight_off = Tile::kStageTokens + (warp * 2 * 32 + lane) * 16;  // tile j: + 512 j
+  const uint32_t word_off = Tile::kStageTokens + kWgStageWeights + tid * 4;  // word q: + 1024 q
   // Chunks are issued in order, each from the cursors, which then move one chunk on.
   auto issue = [&](int kc, uint32_t st) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kPieces; ++i) {
       CpAsyncSharedOrZero(st + tile_off + 4096 * i, xcur[i], xbytes[i]);
       xcur[i] += 64;
     }
@@ -208,16 +237,16 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   for (int s = 0; s < kWgmmaAhead; ++s) {
     if (s < chunks) issue(s, write_stage);
     CpAsyncCommit();
-    write_stage += kWgStageBytes;
+    write_stage += Tile::kStageBytes;
   }
-  const uint32_t last_stage = smem + (kWgmmaStages - 1) * kWgStageBytes;
+  const uint32_t last_stage = smem + (kWgmmaStages - 1) * Tile::kStageBytes;
   uint32_t read_stage = smem;
 
-  float acc[2][64];
+  float acc[2][kN / 2];
 #pragma unroll
   for (int j = 0; j < 2; ++j)
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[j][i] = 0.0f;
+    for (int i = 0; i < kN / 2; ++i) acc[j][i] = 0.0f;
   uint32_t a[4][2][4];  // [k-step][tile][register]
 
   for (int c = 0; c < chunks; ++c) {
@@ -226,9 +255,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
     __syncthreads();  // every thread's pieces landed; chunk c - 2's MMAs are done everywhere
     if (c + kWgmmaAhead < chunks) issue(c + kWgmmaAhead, write_stage);
     CpAsyncCommit();
-    write_stage = write_stage == last_stage ? smem : write_stage + kWgStageBytes;
+    write_stage = write_stage == last_stage ? smem : write_stage + Tile::kStageBytes;
     const uint32_t st = read_stage;
-    read_stage = read_stage == last_stage ? smem : read_stage + kWgStageBytes;
+    read_stage = read_stage == last_stage ? smem : read_stage + Tile::kStageBytes;
     uint32_t words[2][4], s_lo[2], s_hi[2], z_lo[2], z_hi[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -259,8 +288,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
       }
       WgmmaFence();
       const uint64_t desc_s = desc + 2 * s;  // + 32 bytes (16 inputs) per k-step
-      WgmmaM64N128K16<T>(acc[0], a[s][0], desc_s);
-      WgmmaM64N128K16<T>(acc[1], a[s][1], desc_s);
+      WgmmaTileMma<T, kN>(acc[0], a[s][0], desc_s);
+      WgmmaTileMma<T, kN>(acc[1], a[s][1], desc_s);
       WgmmaCommit();
       WgmmaWait<kWgmmaInFlight>();
     }
@@ -274,18 +303,18 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   if (p.epilogue == EpilogueKind::kActivation && p.act_col == nullptr) {
     // The activation kind is uniform: one specialized loop each, no branch per element.
     if (p.activation == 1) {
-      StoreActivationTile<T, 1>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
+      StoreActivationTile<T, 1, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
     } else {
-      StoreActivationTile<T, 0>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
+      StoreActivationTile<T, 0, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
     }
     return;
   }
   if (!tile_ok[0]) return;
 #pragma unroll
-  for (int nb = 0; nb < 16; ++nb) {
+  for (int nb = 0; nb < kN / 8; ++nb) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int id = __ldg(p.sorted_ids + blk * kWgmmaBlockM + 8 * nb + 2 * t + e);
+      const int id = __ldg(p.sorted_ids + blk * kN + 8 * nb + 2 * t + e);
       if (id >= p.num_rows) continue;
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh) {
@@ -305,19 +334,29 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) MoeInt4WgmmaKernel(MoeGemmAr
   }
 }
 
-template <typename T, NibbleCode kCode, bool kExpertBlockFastest>
+template <typename T, NibbleCode kCode, bool kExpertBlockFastest, int kN>
 void LaunchWgmmaKernel(const MoeGemmArgs& args, dim3 grid, cudaStream_t stream) {
   // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's.
   static SmemOptInTable opted_in;
-  (void)EnsureDynamicSmem(opted_in, MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest>,
-                          kWgmmaSmemBytes);
-  LaunchAfterPrior(MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest>, grid, dim3(kWgmmaThreads),
-                   kWgmmaSmemBytes, stream, args);
+  (void)EnsureDynamicSmem(opted_in, MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest, kN>,
+                          WgmmaTile<kN>::kSmemBytes);
+  LaunchAfterPrior(MoeInt4WgmmaKernel<T, kCode, kExpertBlockFastest, kN>, grid,
+                   dim3(kWgmmaThreads), WgmmaTile<kN>::kSmemBytes, stream, args);
 }
 
-// Host: one launch for block_m 128. `args` carries the per-warp unit geometry of the mma.sync
-// kernel (GEMM1: unit_mult 1, sub_stride N/32; GEMM2: unit_mult 2, sub_stride 1); it becomes the
-// per-warpgroup geometry here. Split-K does not apply (splits must be 1).
+template <typename T, NibbleCode kCode, int kN>
+void LaunchWgmmaTile(const MoeGemmArgs& args, int max_blocks, int n_tiles, cudaStream_t stream) {
+  // GEMM2 (f32 rows out) runs N tiles fastest; grid.y holds at most 65535 expert blocks.
+  if (args.epilogue == EpilogueKind::kF32Store && max_blocks <= 65535) {
+    LaunchWgmmaKernel<T, kCode, false, kN>(args, dim3(n_tiles, max_blocks), stream);
+  } else {
+    LaunchWgmmaKernel<T, kCode, true, kN>(args, dim3(max_blocks, n_tiles), stream);
+  }
+}
+
+// Host: one launch of the wgmma GEMM (token tile block_m: 32, 64 or 128). `args` carries the
+// per-warp unit geometry of the mma.sync kernel (GEMM1: unit_mult 1, sub_stride N/32; GEMM2:
+// unit_mult 2, sub_stride 1); it becomes the per-warpgroup geometry here. Split-K does not apply (splits must be 1).
 template <typename T, NibbleCode kCode>
 void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStream_t stream) {
   MoeGemmArgs args = group_args;
@@ -332,36 +371,49 @@ void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStrea
     args.sub_stride = 4;
   }
   const int n_tiles = (args.units + 1) / 2;
-  // GEMM2 (f32 rows out) runs N tiles fastest; grid.y holds at most 65535 expert blocks.
-  if (args.epilogue == EpilogueKind::kF32Store && max_blocks <= 65535) {
-    LaunchWgmmaKernel<T, kCode, false>(args, dim3(n_tiles, max_blocks), stream);
+  if (args.block_m == 128) {
+    LaunchWgmmaTile<T, kCode, 128>(args, max_blocks, n_tiles, stream);
+  } else if (args.block_m == 64) {
+    LaunchWgmmaTile<T, kCode, 64>(args, max_blocks, n_tiles, stream);
   } else {
-    LaunchWgmmaKernel<T, kCode, true>(args, dim3(max_blocks, n_tiles), stream);
+    LaunchWgmmaTile<T, kCode, 32>(args, max_blocks, n_tiles, stream);
   }
 }
 
+// Whether a launch runs the wgmma GEMM: always at block_m 128, and at 32 / 64 with the kWgmma
+// main loop. Its inputs are then in logical chunk order (PermuteRowsKernel) for both GEMMs.
+inline bool UsesWgmma(int block_m, int mainloop) {
+  return block_m == kWgmmaBlockM || mainloop == static_cast<int>(GemmMainloop::kWgmma);
+}
+
 // The launch attributes both ops accept: block_m 8..64 (mma.sync) or 128 (wgmma, no split-K),
-// split factors >= 1, a GemmMainloop code. Empty string when fine.
+// split factors >= 1, a GemmMainloop code (kWgmma: block_m 32, 64 or 128, no split-K). Empty
+// string when fine.
 inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, int mainloop) {
   if (block_m != 8 && block_m != 16 && block_m != 32 && block_m != 64 && block_m != kWgmmaBlockM) {
     return "block_m must be 8, 16, 32, 64 or 128";
   }
-  if (block_m == kWgmmaBlockM && (split13 != 1 || split2 != 1)) {
-    return "block_m 128 (the wgmma GEMM) does not split K: split factors must be 1";
+  if (mainloop < 0 || mainloop > 3) {
+    return "mainloop must be 0 (registers), 1 (async ring), 2 (bulk copy) or 3 (wgmma)";
+  }
+  if (mainloop == static_cast<int>(GemmMainloop::kWgmma) && block_m < 32) {
+    return "the wgmma main loop takes block_m 32, 64 or 128";
+  }
+  if (UsesWgmma(block_m, mainloop) && (split13 != 1 || split2 != 1)) {
+    return "the wgmma GEMM (block_m 128 or the wgmma main loop) does not split K: split factors "
+           "must be 1";
   }
   if (split13 < 1 || split2 < 1 || split13 > kMaxSplitK || split2 > kMaxSplitK) {
     return "split factors must be in [1, " + std::to_string(kMaxSplitK) + "]";
   }
-  if (mainloop < 0 || mainloop > 2) {
-    return "mainloop must be 0 (registers), 1 (async ring) or 2 (bulk copy)";
-  }
   return "";
 }
 
-// The one GEMM launch of both ops: the wgmma GEMM at block_m 128, else the mma.sync GEMM.
+// The one GEMM launch of both ops: the wgmma GEMM at block_m 128 or with the kWgmma main loop,
+// else the mma.sync GEMM.
 template <typename T, NibbleCode kCode>
 void LaunchMoeInt4GemmOrWgmma(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  if (args.block_m == kWgmmaBlockM) {
+  if (UsesWgmma(args.block_m, static_cast<int>(args.mainloop))) {
     LaunchMoeInt4Wgmma<T, kCode>(args, max_blocks, stream);
   } else {
     LaunchMoeInt4Gemm<T, kCode>(args, max_blocks, stream);

@@ -76,7 +76,7 @@ int64_t MxInt4MoeMaxPadded(const MxInt4MoeProblem& p) {
 int64_t MxInt4MoeMaxBlocks(const MxInt4MoeProblem& p) { return MxInt4MoeMaxPadded(p) / p.block_m; }
 
 int64_t MxInt4MoePermutedRows(const MxInt4MoeProblem& p) {
-  return p.block_m == kWgmmaBlockM ? p.tokens : 0;
+  return UsesWgmma(p.block_m, p.mainloop) ? p.tokens : 0;
 }
 
 int64_t MxInt4MoeWs13Floats(const MxInt4MoeProblem& p) {
@@ -202,9 +202,9 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
     if (!err.empty()) return err;
   }
 
-  // 3. GEMM1 (+ SwiGLU in the epilogue unless split). The wgmma GEMM (block_m 128) reads its
+  // 3. GEMM1 (+ SwiGLU in the epilogue unless split). The wgmma GEMM (UsesWgmma) reads its
   // inputs in logical chunk order: permute x's columns once per token.
-  const bool wgmma = p.block_m == kWgmmaBlockM;
+  const bool wgmma = UsesWgmma(p.block_m, p.mainloop);
   if (const int perm_rows = static_cast<int>(MxInt4MoePermutedRows(p)); perm_rows > 0) {
     LaunchAfterPrior(PermuteRowsKernel<Bf16>, dim3(perm_rows), dim3(256), 0, stream,
                      static_cast<const Bf16*>(p.x), 1, nullptr, 1, nullptr, true, H, perm_rows, L,

@@ -44,7 +44,7 @@ struct MxInt4MoeProblem {
   int block_m = 8;            // 8, 16, 32 or 64
   int split13 = 1;
   int split2 = 1;
-  int mainloop = 0;           // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
+  int mainloop = 0;           // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32), 3 wgmma
   bool one_token = false;     // the decode path without alignment (DecodesWithoutAlignment holds)
   bool fused_decode = false;  // after routing, the layer as one kernel (moe_int4_decode.cuh)
 

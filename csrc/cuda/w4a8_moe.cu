@@ -31,8 +31,9 @@
 //    the activation) and stores them as one 16-byte piece of the token's act / ws row.
 //  - Pipeline: cp.async multi-stage ring (kW8Stages stages, kW8Ahead chunks ahead), all 512
 //    threads issue their token pieces (half of them the weight fragments and scales), one barrier
-//    per chunk; up to kW8InFlight wgmma groups stay in flight between group ends. A warp-specialised TMA pipeline
-//    was not attempted: this form shares the proven WNA16 wgmma structure and its ordering rules.
+//    per chunk; up to kW8InFlight wgmma groups stay in flight between group ends. A
+//    warp-specialised TMA pipeline was not attempted: this form shares the proven WNA16 wgmma
+//    structure and its ordering rules.
 #include <algorithm>
 #include <cfloat>
 #include <type_traits>
@@ -105,7 +106,8 @@ __device__ __forceinline__ void StoreOut8(void* base, int64_t index, const float
       w[i] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
              (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16);
     }
-    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(base) + index) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(base) + index) =
+        make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -764,7 +766,8 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
 
   // 6. Rounded top-k weighting and the sum over slots.
   LaunchAfterPrior(W4a8FinalizeKernel<T>,
-                   dim3(static_cast<unsigned>(p.tokens), (H / 8 + kFinalizeThreads - 1) / kFinalizeThreads),
+                   dim3(static_cast<unsigned>(p.tokens),
+                        (H / 8 + kFinalizeThreads - 1) / kFinalizeThreads),
                    dim3(kFinalizeThreads), 0, stream, static_cast<const void*>(p.ws2), p.topk_ids,
                    p.topk_weights, K, H, static_cast<int>(p.tokens), E, p.weight_on_input,
                    p.out);

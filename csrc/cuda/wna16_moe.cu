@@ -138,10 +138,10 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int row_expert_div = p.batched ? static_cast<int>(p.tokens) : 1;
 
   // 2. act-order: gather each row's inputs in its expert's sorted K order. The wgmma GEMM
-  // (block_m 128) reads its inputs in logical chunk order: permute x's columns (once per token).
+  // (UsesWgmma) reads its inputs in logical chunk order: permute x's columns (once per token).
   const void* x13 = p.x;
   int in_div = p.batched ? 1 : static_cast<int>(p.top_k);
-  const bool wgmma = p.block_m == kWgmmaBlockM;
+  const bool wgmma = UsesWgmma(p.block_m, p.mainloop);
   if (p.act_order || wgmma) {
     const int perm_rows = static_cast<int>(Wna16MoePermutedRows(p));
     LaunchAfterPrior(PermuteRowsKernel<T>, dim3(perm_rows), dim3(256), 0, stream,
@@ -252,8 +252,9 @@ int64_t Wna16MoeMaxPadded(const Wna16MoeProblem& p) {
 int64_t Wna16MoeMaxBlocks(const Wna16MoeProblem& p) { return Wna16MoeMaxPadded(p) / p.block_m; }
 
 int64_t Wna16MoePermutedRows(const Wna16MoeProblem& p) {
-  if (p.act_order || (p.batched && p.block_m == kWgmmaBlockM)) return Wna16MoeRows(p);
-  return p.block_m == kWgmmaBlockM ? p.tokens : 0;
+  const bool wgmma = UsesWgmma(p.block_m, p.mainloop);
+  if (p.act_order || (p.batched && wgmma)) return Wna16MoeRows(p);
+  return wgmma ? p.tokens : 0;
 }
 
 int64_t Wna16MoeWs13Floats(const Wna16MoeProblem& p) {

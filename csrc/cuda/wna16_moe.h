@@ -28,7 +28,7 @@ struct Wna16MoeProblem {
   bool has_zeros = false;
   bool has_bias = false;
   bool act_order = false;
-  int mainloop = 0;      // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32)
+  int mainloop = 0;      // GemmMainloop: 0 registers, 1 cp.async ring (block_m <= 32), 3 wgmma
   bool one_token = false;  // the decode path without alignment (DecodesWithoutAlignment holds)
   bool fused_decode = false;  // one_token as one kernel (moe_int4_decode.cuh); needs one_token
 

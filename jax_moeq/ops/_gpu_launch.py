@@ -41,22 +41,46 @@ SATURATING_FRACTION = 0.5
 #     (Mixtral shape T=1 106 vs 115 us, T=64 514 vs 676 us), slower at block_m 32.
 #   "bulk_copy": each warp streams its weights through shared memory with bulk copies (block_m 8,
 #     16); correct, but slower than both on every measured shape: kept for study, never chosen.
-MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2}
+#   "wgmma": the wgmma GEMM (MoeInt4WgmmaKernel) with a token tile of block_m (32, 64 or 128;
+#     block_m 128 always takes it): a cp.async ring of token tiles in shared memory, no split-K,
+#     inputs permuted into its chunk order once per call.
+MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2, "wgmma": 3}
+WGMMA_MAINLOOP_BLOCK_MS = (32, 64, 128)
 DEFAULT_MAINLOOP = "registers"
 
 
-def default_mainloop(scheme: str, block_m: int) -> str:
-  """The measured-fastest main loop for a scheme ("wna16" or "mxint4") at a block_m."""
+# The wgmma GEMM with a 32-token tile where block_m 32 holds an expert's expected pairs at
+# BLOCK_FILL (12 < pairs <= 24): its cp.async ring of token tiles keeps more weight bytes in flight
+# than the mma.sync loop's registers. WNA16, in one process per alternative (H200, 2026-11-26, us
+# per layer, 8 layers per jit): Qwen3-30B-A3B T=256 (16 pairs) 162.9 vs 212.5, DeepSeek-V2-Lite
+# T=256 (24) 161.5 vs 213.9, Mixtral T=64 (16) 414.3 vs 428.2; the 64-token tile lost everywhere.
+WGMMA_TILE32_MAX_PAIRS = 24
+
+
+def default_mainloop(scheme: str, block_m: int, pairs_per_expert: float | None = None) -> str:
+  """The measured-fastest main loop for a scheme ("wna16" or "mxint4") at a block_m, given the
+  expected pairs per expert when block_m was chosen for them (None: an explicit block_m)."""
   if scheme == "mxint4" and block_m <= 16:
     return "async_ring"
+  if (scheme == "wna16" and block_m == 32 and pairs_per_expert is not None and
+      pairs_per_expert <= WGMMA_TILE32_MAX_PAIRS):
+    return "wgmma"
   return DEFAULT_MAINLOOP
 
 
-def mainloop_code(mainloop: str | None) -> int:
+def mainloop_code(mainloop: str | None, block_m: int | None = None) -> int:
   name = DEFAULT_MAINLOOP if mainloop is None else mainloop
   if name not in MAINLOOPS:
     raise ValueError(f"mainloop must be one of {sorted(MAINLOOPS)}, got {mainloop!r}")
+  if name == "wgmma" and block_m is not None and block_m not in WGMMA_MAINLOOP_BLOCK_MS:
+    raise ValueError(f"the wgmma main loop takes block_m {WGMMA_MAINLOOP_BLOCK_MS}, got {block_m}")
   return MAINLOOPS[name]
+
+
+def uses_wgmma(block_m: int, mainloop_id: int) -> bool:
+  """Whether a launch runs the wgmma GEMM (csrc UsesWgmma): block_m 128, or the wgmma main loop.
+  Its inputs are permuted once per call and it never splits K."""
+  return block_m == WGMMA_BLOCK_M or mainloop_id == MAINLOOPS["wgmma"]
 
 
 @functools.cache

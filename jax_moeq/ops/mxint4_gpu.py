@@ -349,11 +349,13 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
     raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
   if mainloop is None:
     mainloop = _gpu_launch.default_mainloop("mxint4", block_m)
-  mainloop_id = _gpu_launch.mainloop_code(mainloop)
+  mainloop_id = _gpu_launch.mainloop_code(mainloop, block_m)
+  wgmma = _gpu_launch.uses_wgmma(block_m, mainloop_id)
   padded = _max_padded(pairs, el, block_m)
   blocks = padded // block_m
   busy = min(blocks, _gpu_launch.expected_busy_blocks(local_pairs, el, block_m))
-  split13, split2 = _gpu_launch.choose_gemm_splits(busy, h, i, block_m, pairs)
+  split13, split2 = ((1, 1) if wgmma else
+                     _gpu_launch.choose_gemm_splits(busy, h, i, block_m, pairs))
   scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
   groups = 1 if num_expert_group is None else int(num_expert_group)
   kept = 1 if topk_group is None else int(topk_group)
@@ -373,7 +375,7 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
       jax.ShapeDtypeStruct((_gpu_launch.gemm1_workspace_floats(pairs, i, split13, one_token),),
                            jnp.float32),                  # ws13
       jax.ShapeDtypeStruct((_gpu_launch.gemm2_workspace_floats(pairs, h),), jnp.float32),  # ws2
-      jax.ShapeDtypeStruct((t * h if block_m == _gpu_launch.WGMMA_BLOCK_M else 1,),
+      jax.ShapeDtypeStruct((t * h if wgmma else 1,),
                            jnp.bfloat16),                 # x_perm
   ]
   operands = [x, router_logits, bias, w13_packed, w13_scale, w2_packed, w2_scale]

@@ -303,10 +303,6 @@ def pack_wna16_from_int4(w13: Array, w2: Array, w13_scale: Array, w2_scale: Arra
 
 
 # ------------------------------------------------------------------ the op
-def _choose_block_m(rows: int, experts: int) -> int:
-  return _gpu_launch.choose_block_m(rows / max(1, min(experts, rows)))
-
-
 def _max_padded(rows: int, experts: int, block_m: int, batched: bool, max_tokens: int) -> int:
   if batched:
     return experts * (-(-max_tokens // block_m)) * block_m
@@ -337,23 +333,29 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
     rows, max_tokens = route_ids.shape[0] * route_ids.shape[1], 0
   _gpu_launch.check_problem_size(rows, h, i, "E * M (x's experts x max tokens)" if batched
                                  else "T * K (topk_ids' tokens x top_k)")
+  pairs_per_expert = None  # known when block_m is chosen here
   if block_m is None:
-    block_m = _choose_block_m(max_tokens, 1) if batched else _choose_block_m(rows, e)
+    pairs_per_expert = max_tokens if batched else rows / max(1, min(e, rows))
+    block_m = _gpu_launch.choose_block_m(pairs_per_expert)
   if block_m not in _gpu_launch.BLOCK_MS:
     raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
-  mainloop_id = _gpu_launch.mainloop_code(mainloop)
+  if mainloop is None:
+    mainloop = _gpu_launch.default_mainloop("wna16", block_m, pairs_per_expert)
+  mainloop_id = _gpu_launch.mainloop_code(mainloop, block_m)
+  wgmma = _gpu_launch.uses_wgmma(block_m, mainloop_id)
   from jax_moeq import _ffi
   _ffi.cuda_library()
   padded = max(block_m, _max_padded(rows, e, block_m, batched, max_tokens))
   blocks = padded // block_m
   busy_blocks = (blocks if batched else
                  min(blocks, _gpu_launch.expected_busy_blocks(rows, e, block_m)))
-  split13, split2 = _gpu_launch.choose_gemm_splits(busy_blocks, h, i, block_m, rows)
+  split13, split2 = ((1, 1) if wgmma else
+                     _gpu_launch.choose_gemm_splits(busy_blocks, h, i, block_m, rows))
   # act-order gathers each row's inputs in its expert's order (rows x H); the wgmma GEMM alone
   # permutes each token's inputs once (T x H; rows x H when batched).
-  if weights.act_order or (batched and block_m == _gpu_launch.WGMMA_BLOCK_M):
+  if weights.act_order or (batched and wgmma):
     x_perm_len = rows * h
-  elif block_m == _gpu_launch.WGMMA_BLOCK_M:
+  elif wgmma:
     x_perm_len = x.shape[0] * h
   else:
     x_perm_len = 1
@@ -424,8 +426,10 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
     block_m: tokens per expert block (8/16/32/64, or 128: the wgmma GEMM); default from the
       routing density (_gpu_launch.choose_block_m).
     out_init: optional buffer aliased to the output (tests poison it with NaN).
-    mainloop: GEMM main loop, "registers" (default), "async_ring" or "bulk_copy" (see
-      `_gpu_launch.MAINLOOPS`).
+    mainloop: GEMM main loop, "registers", "async_ring", "bulk_copy" or "wgmma" (block_m 32,
+      64 or 128; see `_gpu_launch.MAINLOOPS`). None: the measured-fastest for the block_m
+      (`_gpu_launch.default_mainloop`: "wgmma" where block_m 32 was chosen for 12-24 pairs per
+      expert, else "registers").
     fused_decode: True runs a one-token call as the single fused decode kernel (its pairs'
       weights must fit the SMs' shared memory, else ValueError); None / False: the one-token
       path's separate kernels (measured faster so far, `_gpu_launch.choose_fused_decode`).
