@@ -87,9 +87,10 @@ def test_default_mainloop_follows_measurements():
   assert launch.default_mainloop("wna16", 8) == "registers"
   assert launch.default_mainloop("mxint4", 16) == "async_ring"
   assert launch.default_mainloop("mxint4", 32) == "registers"
-  # WNA16 takes the 32-token wgmma tile where block_m 32 was chosen for 12-24 pairs per expert,
-  # not for an explicit block_m (pairs unknown) nor past 24 pairs.
+  # The 32-token wgmma tile where block_m 32 was chosen for 12-24 pairs per expert, not for an
+  # explicit block_m (pairs unknown) nor past 24 pairs.
   assert launch.default_mainloop("wna16", 32, 16.0) == "wgmma"
+  assert launch.default_mainloop("mxint4", 32, 24.0) == "wgmma"
   assert launch.default_mainloop("wna16", 32, 30.0) == "registers"
   assert launch.default_mainloop("wna16", 32) == "registers"
 

@@ -51,9 +51,11 @@ DEFAULT_MAINLOOP = "registers"
 
 # The wgmma GEMM with a 32-token tile where block_m 32 holds an expert's expected pairs at
 # BLOCK_FILL (12 < pairs <= 24): its cp.async ring of token tiles keeps more weight bytes in flight
-# than the mma.sync loop's registers. WNA16, in one process per alternative (H200, 2026-11-26, us
-# per layer, 8 layers per jit): Qwen3-30B-A3B T=256 (16 pairs) 162.9 vs 212.5, DeepSeek-V2-Lite
-# T=256 (24) 161.5 vs 213.9, Mixtral T=64 (16) 414.3 vs 428.2; the 64-token tile lost everywhere.
+# than the mma.sync loop's registers. H100, 2026-11-26, us per layer (8 layers per jit), the
+# default beside block_m 32 with the other loop in one process: WNA16 Qwen3-30B-A3B T=256 (16
+# pairs) 167.2 vs 217.0 ("registers"), DeepSeek-V2-Lite T=256 (24) 164.1 vs 218.5, Mixtral T=64
+# (16) 419.1 vs 436.1; MxInt4 175.7 / 171.3 / 420.6 ("wgmma") vs 232.3 / 232.5 / 455.7. The
+# 64-token tile lost to the default on every shape at T = 16-256 (H200).
 WGMMA_TILE32_MAX_PAIRS = 24
 
 
@@ -62,8 +64,7 @@ def default_mainloop(scheme: str, block_m: int, pairs_per_expert: float | None =
   expected pairs per expert when block_m was chosen for them (None: an explicit block_m)."""
   if scheme == "mxint4" and block_m <= 16:
     return "async_ring"
-  if (scheme == "wna16" and block_m == 32 and pairs_per_expert is not None and
-      pairs_per_expert <= WGMMA_TILE32_MAX_PAIRS):
+  if block_m == 32 and pairs_per_expert is not None and pairs_per_expert <= WGMMA_TILE32_MAX_PAIRS:
     return "wgmma"
   return DEFAULT_MAINLOOP
 

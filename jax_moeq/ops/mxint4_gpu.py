@@ -343,12 +343,14 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
   i, el = intermediate_size, local_experts
   pairs = t * top_k
   local_pairs = pairs * el / num_experts  # expected, for the heuristics
+  pairs_per_expert = None  # known when block_m is chosen here
   if block_m is None:
-    block_m = _gpu_launch.choose_block_m(local_pairs / max(1.0, min(el, local_pairs)))
+    pairs_per_expert = local_pairs / max(1.0, min(el, local_pairs))
+    block_m = _gpu_launch.choose_block_m(pairs_per_expert)
   if block_m not in _gpu_launch.BLOCK_MS:
     raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
   if mainloop is None:
-    mainloop = _gpu_launch.default_mainloop("mxint4", block_m)
+    mainloop = _gpu_launch.default_mainloop("mxint4", block_m, pairs_per_expert)
   mainloop_id = _gpu_launch.mainloop_code(mainloop, block_m)
   wgmma = _gpu_launch.uses_wgmma(block_m, mainloop_id)
   padded = _max_padded(pairs, el, block_m)
@@ -428,7 +430,8 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       routing density (_gpu_launch.choose_block_m).
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
     mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS); None picks the measured-fastest for
-      the block_m ("async_ring" up to block_m 16, else "registers").
+      the block_m ("async_ring" up to block_m 16; "wgmma" where block_m 32 was chosen for 12-24
+      pairs per expert; else "registers").
     fused_decode: True runs a one-token call as routing then the single fused decode kernel
       (its pairs' weights must fit the SMs' shared memory, else ValueError); None / False: the
       one-token path's separate kernels (measured faster so far,
