@@ -55,8 +55,10 @@ def weights(hidden, **g_idx):
       "MARLIN", int4.pack_uint4b8_gptq(q13), int4.pack_uint4b8_gptq(q2),
       jnp.full((e, hidden // 64, 2 * i), 0.01, jnp.bfloat16),
       jnp.full((e, i // 64, hidden), 0.01, jnp.bfloat16), group_size=64, **g_idx)
-for act_order, batched, block_m in ((False, False, None), (True, False, None), (False, True, None),
-                                    (False, False, 128), (True, False, 128), (False, True, 128)):
+for act_order, batched, block_m, loop in (
+    (False, False, None, None), (True, False, None, None), (False, True, None, None),
+    (False, False, 128, None), (True, False, 128, None), (False, True, 128, None),
+    (False, False, 32, "wgmma"), (True, False, 64, "wgmma"), (False, True, 32, "wgmma")):
   gi = dict(w13_g_idx=jax.random.permutation(kq[2], jnp.tile(jnp.arange(h) // 64, (e, 1)), axis=1,
                                              independent=True),
             w2_g_idx=jax.random.permutation(kq[3], jnp.tile(jnp.arange(i) // 64, (e, 1)), axis=1,
@@ -65,12 +67,13 @@ for act_order, batched, block_m in ((False, False, None), (True, False, None), (
   if batched:
     x = jax.random.normal(kq[4], (e, 3, h)).astype(jnp.bfloat16)
     y = wna16_gpu.batched_fused_marlin_moe(x, jnp.arange(e, dtype=jnp.int32) % 4, w,
-                                           block_m=block_m)
+                                           block_m=block_m, mainloop=loop)
   else:
     x = jax.random.normal(kq[4], (t, h)).astype(jnp.bfloat16)
     ids = jax.random.randint(kq[5], (t, k), 0, e)
-    y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids, block_m=block_m)
-  print("case", act_order, batched, block_m, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+    y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids, block_m=block_m,
+                                   mainloop=loop)
+  print("case", act_order, batched, block_m, loop, bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 # Aligned path, token 0 without a valid pair (the finalize writes its row as zeros).
 x = jax.random.normal(kq[4], (t, h)).astype(jnp.bfloat16)
 ids = jax.random.randint(kq[5], (t, k), 0, e).at[0].set(99)
