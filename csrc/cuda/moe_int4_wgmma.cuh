@@ -62,10 +62,8 @@ __device__ __forceinline__ void WgmmaTileMma(float (&d)[kN / 2], const uint32_t 
                                              uint64_t desc_b) {
   if constexpr (kN == 128) {
     WgmmaM64N128K16<T>(d, a, desc_b);
-  } else if constexpr (kN == 64) {
-    WgmmaM64N64K16<T>(d, a, desc_b);
   } else {
-    WgmmaM64N32K16<T>(d, a, desc_b);
+    WgmmaM64NxK16<T, kN>(d, a, desc_b);
   }
 }
 
@@ -356,7 +354,8 @@ void LaunchWgmmaTile(const MoeGemmArgs& args, int max_blocks, int n_tiles, cudaS
 
 // Host: one launch of the wgmma GEMM (token tile block_m: 32, 64 or 128). `args` carries the
 // per-warp unit geometry of the mma.sync kernel (GEMM1: unit_mult 1, sub_stride N/32; GEMM2:
-// unit_mult 2, sub_stride 1); it becomes the per-warpgroup geometry here. Split-K does not apply (splits must be 1).
+// unit_mult 2, sub_stride 1); it becomes the per-warpgroup geometry here. Split-K does not apply
+// (splits must be 1).
 template <typename T, NibbleCode kCode>
 void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStream_t stream) {
   MoeGemmArgs args = group_args;
