@@ -23,8 +23,8 @@ def _ctas(busy, units, split):
 
 
 def test_block_m_follows_pairs_per_expert_then_takes_the_wgmma_gemm():
-  assert [launch.choose_block_m(p) for p in (0.25, 1, 6, 6.5, 12, 12.5, 16, 47.9, 48, 500)] == [
-      8, 8, 8, 16, 16, 32, 32, 32, 128, 128]
+  assert [launch.choose_block_m(p) for p in (0.25, 1, 6, 6.5, 12, 24, 24.5, 48, 48.5, 500)] == [
+      8, 8, 8, 32, 32, 32, 64, 64, 128, 128]
 
 
 def test_wgmma_block_never_splits_k():
@@ -87,12 +87,13 @@ def test_default_mainloop_follows_measurements():
   assert launch.default_mainloop("wna16", 8) == "registers"
   assert launch.default_mainloop("mxint4", 16) == "async_ring"
   assert launch.default_mainloop("mxint4", 32) == "registers"
-  # The 32-token wgmma tile where block_m 32 was chosen for 12-24 pairs per expert, not for an
-  # explicit block_m (pairs unknown) nor past 24 pairs.
+  # block_m 32 / 64 chosen for the pairs per expert is the wgmma GEMM's token tile; an explicit
+  # block_m (pairs unknown) keeps the mma.sync loop.
   assert launch.default_mainloop("wna16", 32, 16.0) == "wgmma"
   assert launch.default_mainloop("mxint4", 32, 24.0) == "wgmma"
-  assert launch.default_mainloop("wna16", 32, 30.0) == "registers"
+  assert launch.default_mainloop("wna16", 64, 30.0) == "wgmma"
   assert launch.default_mainloop("wna16", 32) == "registers"
+  assert launch.default_mainloop("mxint4", 64) == "registers"
 
 
 def _custom_calls(fn, *args):

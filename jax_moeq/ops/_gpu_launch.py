@@ -49,22 +49,13 @@ WGMMA_MAINLOOP_BLOCK_MS = (32, 64, 128)
 DEFAULT_MAINLOOP = "registers"
 
 
-# The wgmma GEMM with a 32-token tile where block_m 32 holds an expert's expected pairs at
-# BLOCK_FILL (12 < pairs <= 24): its cp.async ring of token tiles keeps more weight bytes in flight
-# than the mma.sync loop's registers. H100, 2026-11-26, us per layer (8 layers per jit), the
-# default beside block_m 32 with the other loop in one process: WNA16 Qwen3-30B-A3B T=256 (16
-# pairs) 167.2 vs 217.0 ("registers"), DeepSeek-V2-Lite T=256 (24) 164.1 vs 218.5, Mixtral T=64
-# (16) 419.1 vs 436.1; MxInt4 175.7 / 171.3 / 420.6 ("wgmma") vs 232.3 / 232.5 / 455.7. The
-# 64-token tile lost to the default on every shape at T = 16-256 (H200).
-WGMMA_TILE32_MAX_PAIRS = 24
-
-
 def default_mainloop(scheme: str, block_m: int, pairs_per_expert: float | None = None) -> str:
   """The measured-fastest main loop for a scheme ("wna16" or "mxint4") at a block_m, given the
-  expected pairs per expert when block_m was chosen for them (None: an explicit block_m)."""
+  expected pairs per expert when block_m was chosen for them (None: an explicit block_m). A
+  block_m of 32 or 64 chosen by choose_block_m is the wgmma GEMM's 32- or 64-token tile."""
   if scheme == "mxint4" and block_m <= 16:
     return "async_ring"
-  if block_m == 32 and pairs_per_expert is not None and pairs_per_expert <= WGMMA_TILE32_MAX_PAIRS:
+  if block_m in (32, 64) and pairs_per_expert is not None:
     return "wgmma"
   return DEFAULT_MAINLOOP
 
@@ -106,36 +97,41 @@ def ctas_per_sm(block_m: int) -> int:
   return 1 if block_m >= 64 else 2  # 64: 197 registers; 128: 210 registers and 141 KB of smem
 
 
-# Expected pairs per expert from which the wgmma GEMM (block_m 128) wins, measured on an H100
-# (2026-11-23, WNA16, us per layer, block_m 32 vs 128): Qwen3-30B-A3B 32 pairs/expert 328 vs 390,
-# 64: 532 vs 461; Mixtral 32: 665 vs 678, 128: 1873 vs 1258; DeepSeek-V2-Lite 96: 627 vs 470.
-WGMMA_MIN_PAIRS_PER_EXPERT = 48
-
-
-# An expert's pairs vary around their mean (Poisson under uniform routing); a block of 8 / 16
-# rows is taken while the mean stays within this fraction of it. Past it, too many experts
-# overflow into a second block, which streams the expert's weights again. H100, WNA16,
-# 2026-11-25, us per layer (8 layers in one jit): 16 pairs per expert, block_m 16 -> 32:
-# Mixtral T=64 481 -> 438, Qwen3-30B-A3B T=256 240 -> 223; 6 pairs, block_m 8 -> 16:
-# DeepSeek-V2-Lite T=64 139 -> 149 (so 8 stays for 6).
+# An expert's pairs vary around their mean (Poisson under uniform routing); the 8-row block is
+# taken while the mean stays within this fraction of it. Past it, too many experts overflow into
+# a second block, which streams the expert's weights again (H100, WNA16, 2026-11-25, us per layer:
+# 6 pairs per expert, block_m 8 -> 16: DeepSeek-V2-Lite T=64 139 -> 149, so 8 stays for 6).
 BLOCK_FILL = 0.75
+
+# Expected pairs per expert up to which the wgmma GEMM's 32- and 64-token tiles are taken; the
+# 128-token tile beyond. H100, 2026-11-26, WNA16, us per layer (8 layers per jit), one process per
+# alternative beside the previous choice:
+#   32-token tile: Qwen3-30B-A3B T=128 (8 pairs) 159.7 vs 163.8 (block_m 16), DeepSeek-V2-Lite
+#     T=128 (12) 150.7 vs 168.4 (16), Qwen3 T=256 (16) 167.2 vs 217.0 (mma.sync 32),
+#     DeepSeek-V2-Lite T=256 (24) 164.1 vs 218.5, Mixtral T=64 (16) 419.1 vs 436.1; MxInt4 at
+#     16-24 pairs 171-422 vs 232-456; lost at 4-6 pairs (Qwen3 / DeepSeek-V2-Lite T=64, H200).
+#   64-token tile: Mixtral T=128 (32) 440.3 vs 695.6 (mma.sync 32; 523.4 with the 32-token
+#     tile), Qwen3 T=512 (32) 254.4 vs 329.5 (240.7), Qwen3 T=640 (40) 261.4 vs 407.5 (302.1),
+#     DeepSeek-V2-Lite T=384 (36) 222.3 vs 330.2 (242.3), T=512 (48) 228.2 vs 313.1 (128-token).
+#   128-token tile: Mixtral T=384 (96) 674.1 vs 877.1 (64-token), Mixtral T=256 (64) 625 vs 725
+#     (H200); DeepSeek-V2-Lite T=640 (60) would take the 64-token tile (277.6 vs 324.6): the
+#     crossover depends on the shape, so the constant stays at 48.
+WGMMA_TILE32_MAX_PAIRS = 24
+WGMMA_TILE64_MAX_PAIRS = 48
 
 
 def choose_block_m(pairs_per_expert: float) -> int:
-  """Smallest block of 8 / 16 rows whose BLOCK_FILL holds an expert's expected pairs, else 32;
-  from WGMMA_MIN_PAIRS_PER_EXPERT pairs per expert on, 128 (the wgmma GEMM).
-
-  block_m 64 (MT 8, 197 registers, one CTA per SM) measured slower than 32 on an H100 wherever
-  it was chosen: MxInt4 Qwen3 T=1024 854 vs 631 us, Mixtral T=4096 18.5 vs 15.2 ms; WNA16
-  Mixtral T=4096 18.2 ms (64) vs 15.1 ms (32); WNA16 at T=16..256 (2026-11-25) 1.6-2.8x slower
-  than the default on every shape. It stays available as an explicit block_m.
+  """8 (the mma.sync GEMM) while BLOCK_FILL of 8 rows holds an expert's expected pairs, then the
+  wgmma GEMM's token tile: 32 up to WGMMA_TILE32_MAX_PAIRS, 64 up to WGMMA_TILE64_MAX_PAIRS, 128
+  beyond. block_m 16 and the mma.sync GEMM at 32 / 64 stay available as explicit choices.
   """
-  for bm in (8, 16):
-    if pairs_per_expert <= BLOCK_FILL * bm:
-      return bm
-  if pairs_per_expert >= WGMMA_MIN_PAIRS_PER_EXPERT:
-    return WGMMA_BLOCK_M
-  return 32
+  if pairs_per_expert <= BLOCK_FILL * 8:
+    return 8
+  if pairs_per_expert <= WGMMA_TILE32_MAX_PAIRS:
+    return 32
+  if pairs_per_expert <= WGMMA_TILE64_MAX_PAIRS:
+    return 64
+  return WGMMA_BLOCK_M
 
 
 DETERMINISTIC_ENV = "JAX_MOEQ_DETERMINISTIC"

@@ -427,11 +427,12 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
     routing_method: a `RoutingMethodType` (Default, Renormalize, DeepSeekV3, Llama4,
       RenormalizeNaive, TopK, SigmoidRenorm, MiniMax2, Sigmoid).
     block_m: tokens per expert block (8/16/32/64, or 128: the wgmma GEMM); default from the
-      routing density (_gpu_launch.choose_block_m).
+      routing density (_gpu_launch.choose_block_m: 8, or the wgmma GEMM's 32-, 64- or 128-token
+      tile).
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
     mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS); None picks the measured-fastest for
-      the block_m ("async_ring" up to block_m 16; "wgmma" where block_m 32 was chosen for 12-24
-      pairs per expert; else "registers").
+      the block_m ("async_ring" up to block_m 16; "wgmma" where block_m 32 or 64 was chosen for
+      the pairs per expert; else "registers").
     fused_decode: True runs a one-token call as routing then the single fused decode kernel
       (its pairs' weights must fit the SMs' shared memory, else ValueError); None / False: the
       one-token path's separate kernels (measured faster so far,

@@ -424,12 +424,13 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
       contribute nothing (the kernel cannot raise on data).
     activation_kind: 0 silu(g)·u, 1 swigluoai, 2 silu (== 0).
     block_m: tokens per expert block (8/16/32/64, or 128: the wgmma GEMM); default from the
-      routing density (_gpu_launch.choose_block_m).
+      routing density (_gpu_launch.choose_block_m: 8, or the wgmma GEMM's 32-, 64- or 128-token
+      tile).
     out_init: optional buffer aliased to the output (tests poison it with NaN).
     mainloop: GEMM main loop, "registers", "async_ring", "bulk_copy" or "wgmma" (block_m 32,
       64 or 128; see `_gpu_launch.MAINLOOPS`). None: the measured-fastest for the block_m
-      (`_gpu_launch.default_mainloop`: "wgmma" where block_m 32 was chosen for 12-24 pairs per
-      expert, else "registers").
+      (`_gpu_launch.default_mainloop`: "wgmma" where block_m 32 or 64 was chosen for the pairs
+      per expert, else "registers").
     fused_decode: True runs a one-token call as the single fused decode kernel (its pairs'
       weights must fit the SMs' shared memory, else ValueError); None / False: the one-token
       path's separate kernels (measured faster so far, `_gpu_launch.choose_fused_decode`).
