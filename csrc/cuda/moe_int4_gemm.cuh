@@ -401,7 +401,7 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
   }
   const int64_t at = static_cast<int64_t>(t) * n + col;
   if constexpr (kCols == 4) {
-    T h[4];
+    alignas(8) T h[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) h[c] = HalfType<T>::from_float(sum[c]);
     *reinterpret_cast<uint2*>(reinterpret_cast<T*>(out) + at) = *reinterpret_cast<const uint2*>(h);

@@ -40,7 +40,7 @@ __global__ void MxInt4FinalizeKernel(const float* ws, const int32_t* local_ids,
   const int n = 4 * (blockIdx.y * blockDim.x + threadIdx.x);  // hidden % 64 == 0 (GEMM1's K)
   if (t >= tokens || n >= hidden) return;
   FinalizeTokenColumn<Bf16, 4>(ws, local_ids, local_experts, topk_weights, nullptr, top_k, hidden,
-                            t, n, out);
+                               t, n, out);
 }
 
 std::string CudaError(const char* what) {

@@ -80,15 +80,6 @@ __device__ __forceinline__ float RoundOut(float v) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void StoreOut(void* base, int64_t index, float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    reinterpret_cast<float*>(base)[index] = v;
-  } else {
-    reinterpret_cast<T*>(base)[index] = HalfType<T>::from_float(v);
-  }
-}
-
 // Eight values rounded to T at base[index..index + 8) with 16-byte stores (index % 8 == 0, base
 // 16-byte aligned).
 template <typename T>
@@ -562,7 +553,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
     const int col = item % kW8BlockM;  // a warp takes 32 tokens of one piece: no bank conflicts
     const int row0 = 8 * (item / kW8BlockM);
     const int id = tok_id[col];
-    if (id >= p.num_rows || feature0 + row0 >= (kGemm1 ? out_ld : p.n)) continue;
+    if (id >= p.num_rows || feature0 + row0 >= out_ld) continue;
     float v[8];
 #pragma unroll
     for (int f = 0; f < 8; ++f) {
