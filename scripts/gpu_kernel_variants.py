@@ -168,9 +168,10 @@ def run_wna16(c: Wna16Case, check: bool) -> str:
         ids[1, 0] = -1
     poison = np.full(x.shape, np.nan, dtype)
     rows = c.t * c.k
-    block_m = c.block_m or _gpu_launch.choose_block_m(rows / max(1, min(c.e, rows)))
+    block_m, loop = _gpu_launch.choose_launch("wna16", rows / max(1, min(c.e, rows)), c.block_m,
+                                              c.mainloop)
     busy = _gpu_launch.expected_busy_blocks(rows, c.e, block_m)
-    split13, split2 = _gpu_launch.choose_gemm_splits(busy, c.h, c.i, block_m, rows)
+    split13, split2 = _gpu_launch.choose_gemm_splits(busy, c.h, c.i, block_m, rows, loop)
     _check_splits(c, split13, split2)
     run = jax.jit(lambda x, w, i, o: wna16_gpu.fused_marlin_moe(
         x, weights, w, i, activation_kind=c.activation, block_m=c.block_m, out_init=o,
@@ -263,10 +264,10 @@ def run_mxint4(c: MxInt4Case, check: bool) -> str:
   kw = _mx_routing_kwargs(c, bias)
   pairs = c.t * c.k
   local_pairs = pairs * local / c.e
-  block_m = c.block_m or _gpu_launch.choose_block_m(local_pairs / max(1.0, min(local,
-                                                                                local_pairs)))
+  block_m, loop = _gpu_launch.choose_launch(
+      "mxint4", local_pairs / max(1.0, min(local, local_pairs)), c.block_m, c.mainloop)
   busy = _gpu_launch.expected_busy_blocks(local_pairs, local, block_m)
-  split13, split2 = _gpu_launch.choose_gemm_splits(busy, c.h, c.i, block_m, pairs)
+  split13, split2 = _gpu_launch.choose_gemm_splits(busy, c.h, c.i, block_m, pairs, loop)
   _check_splits(c, split13, split2)
   gpu_kw = {n: (jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v)
             for n, v in kw.items()}

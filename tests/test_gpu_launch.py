@@ -29,6 +29,16 @@ def test_block_m_follows_pairs_per_expert_then_takes_the_wgmma_gemm():
 
 def test_wgmma_block_never_splits_k():
   assert launch.choose_split(1, 16, 224, launch.WGMMA_BLOCK_M, 0) == 1
+  # The 32-token wgmma tile at one token per expert block would split on the mma.sync GEMM.
+  assert launch.choose_gemm_splits(2, 4096, 14336, 32, 2, launch.MAINLOOPS["wgmma"]) == (1, 1)
+
+
+def test_launch_takes_the_chosen_tile_or_the_explicit_one():
+  assert launch.choose_launch("wna16", 16.0, None, None) == (32, launch.MAINLOOPS["wgmma"])
+  assert launch.choose_launch("wna16", 16.0, 32, None) == (32, launch.MAINLOOPS["registers"])
+  assert launch.choose_launch("mxint4", 2.0, None, None) == (8, launch.MAINLOOPS["async_ring"])
+  with pytest.raises(ValueError, match="block_m must be one of"):
+    launch.choose_launch("wna16", 16.0, 24, None)
 
 
 def test_ctas_per_sm_follows_registers():

@@ -152,12 +152,29 @@ def deterministic() -> bool:
   return value == "1"
 
 
+def choose_launch(scheme: str, pairs_per_expert: float, block_m: int | None,
+                  mainloop: str | None) -> tuple[int, int]:
+  """(block_m, main-loop code) of one call of a scheme ("wna16" or "mxint4"): block_m from the
+  expected pairs per expert unless given, the main loop from default_mainloop unless given.
+  ValueError for a block_m or a main loop the kernels do not take."""
+  chosen = block_m is None
+  if chosen:
+    block_m = choose_block_m(pairs_per_expert)
+  if block_m not in BLOCK_MS:
+    raise ValueError(f"block_m must be one of {BLOCK_MS}, got {block_m}")
+  if mainloop is None:
+    mainloop = default_mainloop(scheme, block_m, pairs_per_expert if chosen else None)
+  return block_m, mainloop_code(mainloop, block_m)
+
+
 def choose_gemm_splits(busy_blocks: int, hidden: int, intermediate: int, block_m: int,
-                       pairs: int) -> tuple[int, int]:
+                       pairs: int, mainloop_id: int = MAINLOOPS[DEFAULT_MAINLOOP]
+                       ) -> tuple[int, int]:
   """(split13, split2) of one call's GEMMs: GEMM1 has intermediate / 16 warp units along N and
   hidden / 64 chunks along K, plus an f32 [pairs, 2I] workspace when split; GEMM2 has hidden / 32
-  units and intermediate / 64 chunks. (1, 1) in deterministic mode."""
-  if deterministic():
+  units and intermediate / 64 chunks. (1, 1) in deterministic mode and for the wgmma GEMM, which
+  does not split K."""
+  if deterministic() or uses_wgmma(block_m, mainloop_id):
     return 1, 1
   split13 = choose_split(busy_blocks, intermediate // 16, hidden // 64, block_m,
                          pairs * 2 * intermediate * 4)

@@ -343,21 +343,13 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
   i, el = intermediate_size, local_experts
   pairs = t * top_k
   local_pairs = pairs * el / num_experts  # expected, for the heuristics
-  pairs_per_expert = None  # known when block_m is chosen here
-  if block_m is None:
-    pairs_per_expert = local_pairs / max(1.0, min(el, local_pairs))
-    block_m = _gpu_launch.choose_block_m(pairs_per_expert)
-  if block_m not in _gpu_launch.BLOCK_MS:
-    raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
-  if mainloop is None:
-    mainloop = _gpu_launch.default_mainloop("mxint4", block_m, pairs_per_expert)
-  mainloop_id = _gpu_launch.mainloop_code(mainloop, block_m)
+  block_m, mainloop_id = _gpu_launch.choose_launch(
+      "mxint4", local_pairs / max(1.0, min(el, local_pairs)), block_m, mainloop)
   wgmma = _gpu_launch.uses_wgmma(block_m, mainloop_id)
   padded = _max_padded(pairs, el, block_m)
   blocks = padded // block_m
   busy = min(blocks, _gpu_launch.expected_busy_blocks(local_pairs, el, block_m))
-  split13, split2 = ((1, 1) if wgmma else
-                     _gpu_launch.choose_gemm_splits(busy, h, i, block_m, pairs))
+  split13, split2 = _gpu_launch.choose_gemm_splits(busy, h, i, block_m, pairs, mainloop_id)
   scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
   groups = 1 if num_expert_group is None else int(num_expert_group)
   kept = 1 if topk_group is None else int(topk_group)

@@ -333,15 +333,8 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
     rows, max_tokens = route_ids.shape[0] * route_ids.shape[1], 0
   _gpu_launch.check_problem_size(rows, h, i, "E * M (x's experts x max tokens)" if batched
                                  else "T * K (topk_ids' tokens x top_k)")
-  pairs_per_expert = None  # known when block_m is chosen here
-  if block_m is None:
-    pairs_per_expert = max_tokens if batched else rows / max(1, min(e, rows))
-    block_m = _gpu_launch.choose_block_m(pairs_per_expert)
-  if block_m not in _gpu_launch.BLOCK_MS:
-    raise ValueError(f"block_m must be one of {_gpu_launch.BLOCK_MS}, got {block_m}")
-  if mainloop is None:
-    mainloop = _gpu_launch.default_mainloop("wna16", block_m, pairs_per_expert)
-  mainloop_id = _gpu_launch.mainloop_code(mainloop, block_m)
+  pairs_per_expert = max_tokens if batched else rows / max(1, min(e, rows))
+  block_m, mainloop_id = _gpu_launch.choose_launch("wna16", pairs_per_expert, block_m, mainloop)
   wgmma = _gpu_launch.uses_wgmma(block_m, mainloop_id)
   from jax_moeq import _ffi
   _ffi.cuda_library()
@@ -349,8 +342,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
   blocks = padded // block_m
   busy_blocks = (blocks if batched else
                  min(blocks, _gpu_launch.expected_busy_blocks(rows, e, block_m)))
-  split13, split2 = ((1, 1) if wgmma else
-                     _gpu_launch.choose_gemm_splits(busy_blocks, h, i, block_m, rows))
+  split13, split2 = _gpu_launch.choose_gemm_splits(busy_blocks, h, i, block_m, rows, mainloop_id)
   # act-order gathers each row's inputs in its expert's order (rows x H); the wgmma GEMM alone
   # permutes each token's inputs once (T x H; rows x H when batched).
   if weights.act_order or (batched and wgmma):
