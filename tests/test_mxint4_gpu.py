@@ -193,15 +193,18 @@ def test_vmap_of_token_sets_matches_separate_calls():
   assert _rel(got, want) <= 5e-3  # one bf16 ulp is 2^-8 relative
 
 
-def test_tokens_without_a_local_expert_are_zero():
+@pytest.mark.parametrize("launch", [{}, dict(block_m=32, mainloop="wgmma"), dict(block_m=128)],
+                         ids=["auto", "wgmma32", "wgmma128"])
+def test_tokens_without_a_local_expert_are_zero(launch):
   """Aligned path: a token none of whose experts is on this rank has no GEMM2 row; the finalize
-  still writes its output row, as zeros (NaN-poisoned here)."""
+  still writes its output row, as zeros (NaN-poisoned here). The wgmma tiles' GEMM2 writes
+  rounded rows that another finalize sums."""
   e, k, h, i, t, ranks, rank = 64, 2, 256, 128, 32, 8, 3
   prepared, canon = _experts(7, e, h, i)
   x, logits, _ = _inputs(7, t, e, h)
   local = e // ranks
   out, ids, _ = _run_poisoned(prepared, x, logits, e=e, k=k, i=i, local=local, ep_rank=rank,
-                              routing_method=RM.Renormalize)
+                              routing_method=RM.Renormalize, **launch)
   ids = np.asarray(ids)
   on_rank = ((ids >= rank * local) & (ids < (rank + 1) * local)).any(axis=1)
   assert on_rank.any() and not on_rank.all()  # both kinds of token occur

@@ -307,7 +307,8 @@ def test_wgmma_vs_reference(case, tile):
 @pytest.mark.parametrize("tile", WGMMA_TILES, ids=lambda d: f"n{d['block_m']}")
 def test_wgmma_batched(tile):
   e, m, h, i = 8, 200, 512, 256
-  weights, (w13, w2, b13, b2) = _build(23, e, h, i, 64, jnp.float16, backend="BATCHED_MARLIN")
+  weights, (w13, w2, b13, b2) = _build(23, e, h, i, 64, jnp.float16, bias=True,
+                                       backend="BATCHED_MARLIN")
   counts = jnp.array([200, 0, 3, 129, 128, 1, 77, 200], jnp.int32)
   x = jax.random.normal(jax.random.PRNGKey(24), (e, m, h), jnp.float32).astype(jnp.float16)
   poison = jnp.full(x.shape, jnp.nan, jnp.float16)
@@ -467,16 +468,18 @@ def test_vmap_of_token_sets_matches_separate_calls():
   assert _rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= RELAUNCH_TOL
 
 
-@pytest.mark.parametrize("block_m", [8, 16, 64])
-def test_tokens_without_a_valid_expert_are_zero(block_m):
+@pytest.mark.parametrize("launch", [dict(block_m=8), dict(block_m=16), dict(block_m=64),
+                                    *WGMMA_TILES], ids=lambda d: "_".join(map(str, d.values())))
+def test_tokens_without_a_valid_expert_are_zero(launch):
   """Aligned path (T > 1): a token whose ids are all out of range has no GEMM2 row; the finalize
-  still writes its output row, as zeros (NaN-poisoned here)."""
+  still writes its output row, as zeros (NaN-poisoned here). The wgmma tiles' GEMM2 writes
+  rounded rows that another finalize sums."""
   weights, (w13, w2, b13, b2) = _build(11, 8, 256, 256, 128, jnp.bfloat16)
   topk_w, topk_ids = _routing(11, 6, 8, 2)
   bad_ids = topk_ids.at[1].set(99).at[4].set(120)
   x = jax.random.normal(jax.random.PRNGKey(12), (6, 256), jnp.float32).astype(jnp.bfloat16)
   poison = jnp.full((6, 256), jnp.nan, jnp.bfloat16)
-  got = np.asarray(wna16_gpu.fused_marlin_moe(x, weights, topk_w, bad_ids, block_m=block_m,
+  got = np.asarray(wna16_gpu.fused_marlin_moe(x, weights, topk_w, bad_ids, **launch,
                                               out_init=poison).astype(jnp.float32))
   assert (got[[1, 4]] == 0).all()
   want = _reference_standard(x, bad_ids, topk_w, w13, w2, b13, b2, kind=0, dtype=jnp.bfloat16)

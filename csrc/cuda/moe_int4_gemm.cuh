@@ -19,8 +19,10 @@
 namespace jax_moeq::cuda {
 
 enum class EpilogueKind {
-  kF32Store,   // acc -> ws[id][n] (atomicAdd when split > 1)
-  kActivation  // GEMM1, split == 1: bias, round, activation, round -> act[id][col]
+  kF32Store,     // acc -> ws[id][n] (atomicAdd when split > 1)
+  kActivation,   // GEMM1, split == 1: bias, round, activation, round -> act[id][col]
+  kRoundedStore  // GEMM2 on the wgmma GEMM only: round((acc + bias) * topk_weights[id]) ->
+                 // rounded[id][n] as T (bias and weights optional; FinalizeRoundedRowsKernel)
 };
 
 // How the GEMM's main loop feeds the tensor cores:
@@ -53,6 +55,7 @@ struct MoeGemmArgs {
   int splits = 1, chunks_per_split = 0;
   EpilogueKind epilogue = EpilogueKind::kF32Store;
   float* ws = nullptr;           // [rows][n] f32
+  void* rounded = nullptr;       // [rows][n] T (kRoundedStore)
   void* act = nullptr;           // [rows][n/2] T (kActivation)
   const int32_t* act_col = nullptr;  // [E][n/2]: output column of act (act-order), or null
   const float* bias = nullptr;   // [E][n] or null
@@ -71,7 +74,7 @@ struct MoeGemmArgs {
   // last (every block and split has added into ws) writes out[t][n] = round(sum_k
   // round((ws[t*K+k][n] + out_bias[e][n]) * topk_weights[t*K+k])) for them.
   int32_t* arrivals = nullptr;   // [units], zero at launch
-  const float* topk_weights = nullptr;
+  const float* topk_weights = nullptr;  // [rows] (also kRoundedStore's weights, or null)
   const float* out_bias = nullptr;  // [E][n] or null
   void* out = nullptr;           // [rows / top_k][n] T
   int top_k = 1;
@@ -146,6 +149,18 @@ inline MoeGemmArgs Gemm2ArgsAfter(const MoeGemmArgs& g1, const uint4* w, const u
   g2.act_arrivals = nullptr;
   g2.dependent_launch = true;
   return g2;
+}
+
+// GEMM2 on the wgmma GEMM (no split-K): rows of T into `rows` (the f32 workspace, half used),
+// with `bias` ([E][n] or null) and `topk_weights` ([rows] or null) applied and rounded as the
+// finalize would (kRoundedStore); FinalizeRoundedRowsKernel or a batched copy finishes.
+inline void SetRoundedGemm2(MoeGemmArgs& g2, float* rows, const float* bias,
+                            const float* topk_weights) {
+  g2.epilogue = EpilogueKind::kRoundedStore;
+  g2.ws = nullptr;
+  g2.rounded = rows;
+  g2.bias = bias;
+  g2.topk_weights = topk_weights;
 }
 
 // The one-token path's part of GEMM1's arguments: block b computes pair b of `pair_experts` and
@@ -408,6 +423,60 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
   } else {
     StoreHalf<T>(out, at, sum[0]);
   }
+}
+
+// The standard format's last step after the wgmma GEMM2 (kRoundedStore), whose rows already hold
+// round((acc + bias[e]) * topk_weights[t*K+k]) as T: out[t][col..col+7] = round(sum_k rows[t*K+k])
+// (f32 sum in slot order) over the pairs whose expert is in [0, experts). The same result as
+// FinalizeTokenColumn over f32 rows, from half the bytes. 8 columns a thread as one 16-byte load
+// per pair (n % 8 == 0); grid (tokens, n / 8 / blockDim.x rounded up).
+template <typename T>
+__global__ void FinalizeRoundedRowsKernel(const T* rows, const int32_t* pair_experts, int experts,
+                                          int top_k, int n, int tokens, void* out) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  const int t = blockIdx.x;
+  const int col = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
+  if (t >= tokens || col >= n) return;
+  // Eight pairs' loads in flight before any is used, as in FinalizeTokenColumn.
+  constexpr int kBatch = 8;
+  float sum[8] = {};
+  for (int k0 = 0; k0 < top_k; k0 += kBatch) {
+    bool in[kBatch];
+    uint4 y[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int e = k0 + j < top_k ? __ldg(pair_experts + t * top_k + k0 + j) : -1;
+      in[j] = e >= 0 && e < experts;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int64_t at = static_cast<int64_t>(t * top_k + k0 + j) * n + col;
+      y[j] = in[j] ? __ldcg(reinterpret_cast<const uint4*>(rows + at)) : uint4{};
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (!in[j]) continue;
+      const T* h = reinterpret_cast<const T*>(&y[j]);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) sum[c] += HalfType<T>::to_float(h[c]);
+    }
+  }
+  alignas(16) T h[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) h[c] = HalfType<T>::from_float(sum[c]);
+  *reinterpret_cast<uint4*>(reinterpret_cast<T*>(out) + static_cast<int64_t>(t) * n + col) =
+      *reinterpret_cast<const uint4*>(h);
+}
+
+// The standard format's finalize after SetRoundedGemm2's GEMM2 (n % 8 == 0).
+template <typename T>
+void LaunchRoundedFinalize(const float* rows, const int32_t* pair_experts, int experts, int top_k,
+                           int n, int tokens, void* out, cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  const dim3 grid(tokens, (n / 8 + kThreads - 1) / kThreads);
+  LaunchAfterPrior(FinalizeRoundedRowsKernel<T>, grid, dim3(kThreads), 0, stream,
+                   reinterpret_cast<const T*>(rows), pair_experts, experts, top_k, n, tokens, out);
 }
 
 // GEMM1's fused activation on the one-token path when split (MoeGemmArgs::act_arrivals): this

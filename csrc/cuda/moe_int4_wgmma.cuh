@@ -146,6 +146,79 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
   }
 }
 
+// GEMM2's epilogue (kRoundedStore): v = round((acc + bias[e][n]) * topk_weights[id]) as T (bias
+// and weights optional), the rounding the finalize would apply to f32 rows, so GEMM2 writes and the
+// finalize reads half the bytes. The CTA's kN tokens x 256 outputs (two warpgroups of 128 rows)
+// are staged in the drained pipeline stages and written as 16-byte row pieces. Every thread of the
+// CTA must call it (two barriers).
+constexpr int kWgRoundedRowBytes = 256 * 2 + 16;  // + 16 bytes: row starts spread over the banks
+
+template <typename T, int kN>
+__device__ __forceinline__ void StoreRoundedTile(const MoeGemmArgs& p, uint32_t smem, int blk,
+                                                 int expert, int n_tile,
+                                                 const float (&acc)[2][kN / 2],
+                                                 const bool (&tile_ok)[2]) {
+  static_assert(kN * kWgRoundedRowBytes <= kWgmmaStages * WgmmaTile<kN>::kStageBytes,
+                "the output tile fits in the pipeline stages");
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  CpAsyncWait<0>();  // no copy may land in the reused stages
+  __syncthreads();   // every warp has read its last stage
+  if (tile_ok[0]) {
+    // Output rows of this warp: subtiles 8 wg + w % 4 (+ 4 for j = 1) of the CTA's 16.
+    const int col0 = 128 * (warp >> 2) + 16 * (warp & 3) + g;
+    float bias[2][2] = {};
+    if (p.bias) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const int n = 256 * n_tile + col0 + 64 * j + 8 * rh;
+          if (tile_ok[j]) bias[j][rh] = __ldg(p.bias + static_cast<int64_t>(expert) * p.n + n);
+        }
+      }
+    }
+#pragma unroll
+    for (int nb = 0; nb < kN / 8; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 8 * nb + 2 * t + e;  // token column of acc[.][4 nb + 2 rh + e]
+        float w = 1.0f;
+        if (p.topk_weights) {
+          const int id = __ldg(p.sorted_ids + blk * kN + r);
+          if (id < p.num_rows) w = __ldg(p.topk_weights + id);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if (!tile_ok[j]) continue;
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh) {
+            float v = acc[j][4 * nb + 2 * rh + e];
+            if (p.bias) v += bias[j][rh];
+            if (p.topk_weights) v *= w;
+            const T h = HalfType<T>::from_float(v);
+            StShared16(smem + r * kWgRoundedRowBytes + 2 * (col0 + 64 * j + 8 * rh),
+                       *reinterpret_cast<const uint16_t*>(&h));
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // Row pieces past N (an idle warpgroup, or N % 128 == 64) are not stored.
+  const int cols = min(256, p.n - 256 * n_tile);
+#pragma unroll
+  for (int i = 0; i < kN * 32 / kWgmmaThreads; ++i) {
+    const int v = tid + kWgmmaThreads * i;
+    const int r = v >> 5, q = v & 31;
+    const int id = __ldg(p.sorted_ids + blk * kN + r);
+    if (id >= p.num_rows || 8 * q >= cols) continue;
+    const uint4 piece = LdShared128(smem + r * kWgRoundedRowBytes + 16 * q);
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.rounded) + static_cast<int64_t>(id) * p.n +
+                              256 * n_tile + 8 * q) = piece;
+  }
+}
+
 // Grid order: blockIdx.x = expert block and blockIdx.y = N tile (kExpertBlockFastest), or the
 // reverse. GEMM1 runs expert blocks fastest: a wave then covers every token block of one or two
 // N tiles, whose weights it reads once while the (small) permuted inputs stay in L2. GEMM2's
@@ -307,6 +380,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
     }
     return;
   }
+  if (p.epilogue == EpilogueKind::kRoundedStore) {
+    StoreRoundedTile<T, kN>(p, smem, blk, expert, n_tile, acc, tile_ok);
+    return;
+  }
   if (!tile_ok[0]) return;
 #pragma unroll
   for (int nb = 0; nb < kN / 8; ++nb) {
@@ -344,8 +421,8 @@ void LaunchWgmmaKernel(const MoeGemmArgs& args, dim3 grid, cudaStream_t stream) 
 
 template <typename T, NibbleCode kCode, int kN>
 void LaunchWgmmaTile(const MoeGemmArgs& args, int max_blocks, int n_tiles, cudaStream_t stream) {
-  // GEMM2 (f32 rows out) runs N tiles fastest; grid.y holds at most 65535 expert blocks.
-  if (args.epilogue == EpilogueKind::kF32Store && max_blocks <= 65535) {
+  // GEMM2 (rows out) runs N tiles fastest; grid.y holds at most 65535 expert blocks.
+  if (args.epilogue != EpilogueKind::kActivation && max_blocks <= 65535) {
     LaunchWgmmaKernel<T, kCode, false, kN>(args, dim3(n_tiles, max_blocks), stream);
   } else {
     LaunchWgmmaKernel<T, kCode, true, kN>(args, dim3(max_blocks, n_tiles), stream);

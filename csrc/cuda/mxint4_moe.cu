@@ -258,13 +258,15 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
     if (!err.empty()) return err;
   }
 
-  // 4. GEMM2 into f32 rows.
+  // 4. GEMM2 into f32 rows (the wgmma GEMM2: bf16 rows, SetRoundedGemm2).
   // ws2 is zeroed by the alignment launch when split, or by GEMM1 (direct).
   MoeGemmArgs g2 = Gemm2ArgsAfter(g1, static_cast<const uint4*>(p.w2),
                                   static_cast<const uint32_t*>(p.s2), nullptr, H, I,
                                   I / kGroupSize, p.split2, p.ws2);
   if (direct) {  // GEMM2 finalizes (5. below)
     SetOneTokenGemm2(g2, rows, p.topk_weights, nullptr, p.out, static_cast<int>(p.top_k));
+  } else if (wgmma) {  // rows of bf16, weighted and rounded: half the bytes for 5. to read
+    SetRoundedGemm2(g2, p.ws2, nullptr, p.topk_weights);
   }
   LaunchMoeInt4GemmOrWgmma<Bf16, NibbleCode::kSignedInt4>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");
@@ -272,6 +274,11 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   if (direct) return "";
 
   // 5. Top-k weights and reduction over k.
+  if (wgmma) {
+    LaunchRoundedFinalize<Bf16>(p.ws2, p.local_ids, L, static_cast<int>(p.top_k), H,
+                                static_cast<int>(p.tokens), p.out, stream);
+    return CudaError("finalize kernel");
+  }
   const dim3 grid(static_cast<int>(p.tokens), (H / 4 + 255) / 256);
   LaunchAfterPrior(MxInt4FinalizeKernel, grid, dim3(256), 0, stream, p.ws2, p.local_ids, L,
                    p.topk_weights, static_cast<int>(p.top_k), H, static_cast<int>(p.tokens),

@@ -52,9 +52,10 @@ __global__ void FinalizeStandardKernel(const float* ws, const int32_t* topk_ids,
   FinalizeTokenColumn<T, 4>(ws, topk_ids, experts, topk_weights, bias, top_k, hidden, t, n, out);
 }
 
-// Batched: out[e][m][n] = round(ws2 + b2) for m < count[e], else 0.
-template <typename T>
-__global__ void FinalizeBatchedKernel(const float* ws, const int32_t* expert_num_tokens,
+// Batched: out[e][m][n] = round(ws2 + b2) for m < count[e], else 0. kRounded: ws2 holds T rows
+// that the wgmma GEMM2 rounded with b2 added (kRoundedStore).
+template <typename T, bool kRounded>
+__global__ void FinalizeBatchedKernel(const void* ws, const int32_t* expert_num_tokens,
                                       const float* bias, int max_tokens, int hidden, void* out) {
   WaitForPriorGrids();
   AllowDependentGrids();
@@ -62,12 +63,17 @@ __global__ void FinalizeBatchedKernel(const float* ws, const int32_t* expert_num
   const int n = blockIdx.y * blockDim.x + threadIdx.x;
   if (n >= hidden) return;
   const int e = id / max_tokens, m = id % max_tokens;
+  const int64_t at = static_cast<int64_t>(id) * hidden + n;
   float y = 0.0f;
   if (m < expert_num_tokens[e]) {
-    y = ws[static_cast<int64_t>(id) * hidden + n];
-    if (bias) y += bias[static_cast<int64_t>(e) * hidden + n];
+    if constexpr (kRounded) {
+      y = HalfType<T>::to_float(static_cast<const T*>(ws)[at]);
+    } else {
+      y = static_cast<const float*>(ws)[at];
+      if (bias) y += bias[static_cast<int64_t>(e) * hidden + n];
+    }
   }
-  StoreHalf<T>(out, static_cast<int64_t>(id) * hidden + n, y);
+  StoreHalf<T>(out, at, y);
 }
 
 std::string CudaError(const char* what) {
@@ -206,7 +212,8 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     if (!err.empty()) return err;
   }
 
-  // 4. GEMM2 into f32 rows.
+  // 4. GEMM2 into f32 rows; the wgmma GEMM2 into rows of T with b2 and the top-k weights
+  // applied and rounded (kRoundedStore), half the bytes for it to write and 5. to read.
   MoeGemmArgs g2 = Gemm2ArgsAfter(
       g1, static_cast<const uint4*>(p.w2), static_cast<const uint32_t*>(p.s2),
       p.has_zeros ? static_cast<const uint32_t*>(p.z2) : nullptr, H, I,
@@ -214,6 +221,8 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const float* b2 = p.has_bias ? p.b2 : nullptr;
   if (direct) {  // GEMM2 finalizes (5. below)
     SetOneTokenGemm2(g2, rows, p.topk_weights, b2, p.out, static_cast<int>(p.top_k));
+  } else if (wgmma) {
+    SetRoundedGemm2(g2, p.ws2, b2, p.batched ? nullptr : p.topk_weights);
   }
   LaunchMoeInt4GemmOrWgmma<T, NibbleCode::kUint4b8>(g2, gemm_blocks, stream);
   err = CudaError("GEMM2 kernel");
@@ -224,8 +233,12 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     return "";
   } else if (p.batched) {
     const dim3 grid(static_cast<int>(rows), (H + 255) / 256);
-    LaunchAfterPrior(FinalizeBatchedKernel<T>, grid, dim3(256), 0, stream, p.ws2,
+    LaunchAfterPrior(wgmma ? FinalizeBatchedKernel<T, true> : FinalizeBatchedKernel<T, false>,
+                     grid, dim3(256), 0, stream, static_cast<const void*>(p.ws2),
                      p.expert_num_tokens, b2, static_cast<int>(p.tokens), H, p.out);
+  } else if (wgmma) {
+    LaunchRoundedFinalize<T>(p.ws2, p.topk_ids, E, static_cast<int>(p.top_k), H,
+                             static_cast<int>(p.tokens), p.out, stream);
   } else {
     const dim3 grid(static_cast<int>(p.tokens), (H / 4 + 255) / 256);
     LaunchAfterPrior(FinalizeStandardKernel<T>, grid, dim3(256), 0, stream, p.ws2, p.topk_ids,
