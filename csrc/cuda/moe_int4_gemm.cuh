@@ -809,20 +809,71 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   if (p.arrivals) ArriveAndFinalize<T>(p, unit, lane);
 }
 
+// The wgmma GEMM's input order written by the alignment launch's extra CTAs (no act-order): row r
+// of x_perm = row r of x with each 64-column chunk in logical order. A logical pair of columns
+// (2j, 2j + 1) is a physical pair, so rows move as 32-bit words. blocks: how many CTAs do it.
+struct LogicalOrderRows {
+  const uint32_t* x = nullptr;  // [rows][words]
+  uint32_t* x_perm = nullptr;   // [rows][words]
+  int words = 0;                // hidden / 2
+  int rows = 0;
+  int blocks = 0;
+};
+
+// Enough CTAs to stream a prefill's rows beside the one aligning CTA.
+constexpr int kLogicalOrderBlocks = 256;
+
+inline LogicalOrderRows MakeLogicalOrderRows(const void* x, void* x_perm, int64_t hidden,
+                                             int64_t rows) {
+  LogicalOrderRows r;
+  r.x = static_cast<const uint32_t*>(x);
+  r.x_perm = static_cast<uint32_t*>(x_perm);
+  r.words = static_cast<int>(hidden / 2);
+  r.rows = static_cast<int>(rows);
+  r.blocks = static_cast<int>(std::min<int64_t>(rows, kLogicalOrderBlocks));
+  return r;
+}
+
+__device__ __forceinline__ void WriteLogicalOrderRows(const LogicalOrderRows& r, int block) {
+  constexpr int kRowsInFlight = 4;  // loads of 4 rows before their stores
+  for (int row0 = block; row0 < r.rows; row0 += kRowsInFlight * r.blocks) {
+    for (int j = threadIdx.x; j < r.words; j += blockDim.x) {
+      const int src_word = (j & ~31) | (PhysicalOfLogical(2 * (j & 31)) >> 1);
+      uint32_t v[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int row = row0 + u * r.blocks;
+        v[u] = row < r.rows ? __ldg(r.x + static_cast<int64_t>(row) * r.words + src_word) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int row = row0 + u * r.blocks;
+        if (row < r.rows) r.x_perm[static_cast<int64_t>(row) * r.words + j] = v[u];
+      }
+    }
+  }
+}
+
 // Standard format: sorted_ids lists pair ids p = t*K + k grouped by expert,
 // each expert's run padded to block_m with `num_rows`; expert_ids per block
 // (-1 past the end). Ids out of [0, E) are dropped (they contribute nothing).
-// Block 0 of 1024 threads (shared memory 2 * E ints) aligns; blocks 1.. zero the split-K
+// Block 0 of 1024 threads (shared memory 2 * E ints) aligns; the next `order.blocks` write the
+// wgmma GEMM's input order (LogicalOrderRows, one launch fewer); the rest zero the split-K
 // workspaces (ZeroWorkspaces; counts may be 0).
 static __global__ void __launch_bounds__(1024)
     AlignStandardKernel(const int32_t* topk_ids, int num_pairs, int experts, int block_m,
                         int max_padded, int max_blocks, int32_t* sorted_ids, int32_t* expert_ids,
                         int32_t* num_post_padded, float* ws_a = nullptr, int64_t count_a = 0,
-                        float* ws_b = nullptr, int64_t count_b = 0) {
+                        float* ws_b = nullptr, int64_t count_b = 0,
+                        LogicalOrderRows order = LogicalOrderRows{}) {
   WaitForPriorGrids();
   AllowDependentGrids();
   if (blockIdx.x > 0) {
-    ZeroWorkspaces(ws_a, count_a, ws_b, count_b, 1);
+    if (static_cast<int>(blockIdx.x) <= order.blocks) {
+      WriteLogicalOrderRows(order, blockIdx.x - 1);
+    } else {
+      ZeroWorkspaces(ws_a, count_a, ws_b, count_b, 1 + order.blocks);
+    }
     return;
   }
   // This thread's first pair id, loaded before the initialization so that its memory latency

@@ -190,28 +190,25 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   // 2. This rank's pairs to expert blocks (local id -1: dropped); the same launch zeroes the
   // split-K workspaces. At one token (DecodesWithoutAlignment) neither: each pair is its own
   // block, GEMM1 clears ws2 and the routing launch a split GEMM1's ws13.
+  // The wgmma GEMM (UsesWgmma) reads its inputs in logical chunk order: the alignment launch's
+  // extra CTAs write x's rows in that order (LogicalOrderRows).
+  const bool wgmma = UsesWgmma(p.block_m, p.mainloop);
   if (!direct) {
     const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
     const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
-    LaunchAfterPrior(AlignStandardKernel, dim3(1 + zero_blocks), dim3(1024),
+    const LogicalOrderRows order =
+        wgmma ? MakeLogicalOrderRows(p.x, p.x_perm, H, MxInt4MoePermutedRows(p))
+              : LogicalOrderRows{};
+    LaunchAfterPrior(AlignStandardKernel, dim3(1 + order.blocks + zero_blocks), dim3(1024),
                      2 * L * sizeof(int32_t), stream, p.local_ids, rows, L, p.block_m,
                      max_padded, max_blocks, p.sorted_ids, p.expert_ids, p.num_post_padded,
-                     p.ws13, zero13, p.ws2, zero2);
+                     p.ws13, zero13, p.ws2, zero2, order);
     err = CudaError("alignment kernel");
     if (!err.empty()) return err;
   }
 
-  // 3. GEMM1 (+ SwiGLU in the epilogue unless split). The wgmma GEMM (UsesWgmma) reads its
-  // inputs in logical chunk order: permute x's columns once per token.
-  const bool wgmma = UsesWgmma(p.block_m, p.mainloop);
-  if (const int perm_rows = static_cast<int>(MxInt4MoePermutedRows(p)); perm_rows > 0) {
-    LaunchAfterPrior(PermuteRowsKernel<Bf16>, dim3(perm_rows), dim3(256), 0, stream,
-                     static_cast<const Bf16*>(p.x), 1, nullptr, 1, nullptr, true, H, perm_rows, L,
-                     static_cast<Bf16*>(p.x_perm));
-    err = CudaError("input permute kernel");
-    if (!err.empty()) return err;
-  }
+  // 3. GEMM1 (+ SwiGLU in the epilogue unless split).
   MoeGemmArgs g1;
   g1.x = wgmma ? p.x_perm : p.x;
   g1.ld_x = H;

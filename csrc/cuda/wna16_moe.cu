@@ -118,11 +118,17 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   // 1. Token-to-expert alignment; the same launch zeroes the split-K workspaces. At one token
   // (DecodesWithoutAlignment) neither: each pair is its own block, GEMM1 clears ws2 and a memset
   // clears a split GEMM1's ws13.
+  // The wgmma GEMM (UsesWgmma) reads its inputs in logical chunk order; without act-order the
+  // standard format's alignment launch writes x in that order (LogicalOrderRows).
   const bool direct = p.one_token;
+  const bool wgmma = UsesWgmma(p.block_m, p.mainloop);
+  const bool order_in_align = wgmma && !p.batched && !p.act_order;
   if (!direct) {  // (the batched format never takes the one-token path)
     const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
     const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
+    const LogicalOrderRows order =
+        order_in_align ? MakeLogicalOrderRows(p.x, p.x_perm, H, p.tokens) : LogicalOrderRows{};
     if (p.batched) {
       const int threads = 256;
       const int blocks = std::max(1, static_cast<int>((max_padded + threads - 1) / threads));
@@ -130,10 +136,11 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
           p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
           p.expert_ids, p.num_post_padded, blocks, p.ws13, zero13, p.ws2, zero2);
     } else {
-      AlignStandardKernel<<<1 + zero_blocks, 1024, 2 * E * sizeof(int32_t), stream>>>(
+      AlignStandardKernel<<<1 + order.blocks + zero_blocks, 1024, 2 * E * sizeof(int32_t),
+                            stream>>>(
           p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
           static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13,
-          zero13, p.ws2, zero2);
+          zero13, p.ws2, zero2, order);
     }
   }
   std::string err = CudaError("alignment kernel");
@@ -143,12 +150,11 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int32_t* row_expert_src = p.batched ? nullptr : p.topk_ids;
   const int row_expert_div = p.batched ? static_cast<int>(p.tokens) : 1;
 
-  // 2. act-order: gather each row's inputs in its expert's sorted K order. The wgmma GEMM
-  // (UsesWgmma) reads its inputs in logical chunk order: permute x's columns (once per token).
-  const void* x13 = p.x;
+  // 2. act-order: gather each row's inputs in its expert's sorted K order. The wgmma GEMM's
+  // logical chunk order where the alignment launch did not write it (act-order, batched).
+  const void* x13 = order_in_align ? p.x_perm : p.x;
   int in_div = p.batched ? 1 : static_cast<int>(p.top_k);
-  const bool wgmma = UsesWgmma(p.block_m, p.mainloop);
-  if (p.act_order || wgmma) {
+  if (p.act_order || (wgmma && !order_in_align)) {
     const int perm_rows = static_cast<int>(Wna16MoePermutedRows(p));
     LaunchAfterPrior(PermuteRowsKernel<T>, dim3(perm_rows), dim3(256), 0, stream,
                      static_cast<const T*>(p.x), p.act_order ? in_div : 1, row_expert_src,
