@@ -152,6 +152,9 @@ __device__ __forceinline__ uint32_t LdShared32(uint32_t a) {
 __device__ __forceinline__ void StShared16(uint32_t a, uint16_t v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(a), "h"(v) : "memory");
 }
+__device__ __forceinline__ void StShared32(uint32_t a, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
 
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 

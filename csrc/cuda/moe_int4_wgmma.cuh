@@ -148,10 +148,11 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
 
 // GEMM2's epilogue (kRoundedStore): v = round((acc + bias[e][n]) * topk_weights[id]) as T (bias
 // and weights optional), the rounding the finalize would apply to f32 rows, so GEMM2 writes and the
-// finalize reads half the bytes. The CTA's kN tokens x 256 outputs (two warpgroups of 128 rows)
-// are staged in the drained pipeline stages and written as 16-byte row pieces. Every thread of the
-// CTA must call it (two barriers).
-constexpr int kWgRoundedRowBytes = 256 * 2 + 16;  // + 16 bytes: row starts spread over the banks
+// finalize reads half the bytes. The CTA's kN tokens x 256 f32 outputs (two warpgroups of 128
+// rows) are staged in the drained pipeline stages; then each thread finishes 8 outputs of a token
+// at a time (always the same 8: bias loaded once) and stores them as one 16-byte piece. Every
+// thread of the CTA must call it (two barriers).
+constexpr int kWgRoundedRowBytes = 256 * 4 + 16;  // + 16 bytes: row starts spread over the banks
 
 template <typename T, int kN>
 __device__ __forceinline__ void StoreRoundedTile(const MoeGemmArgs& p, uint32_t smem, int blk,
@@ -166,56 +167,62 @@ __device__ __forceinline__ void StoreRoundedTile(const MoeGemmArgs& p, uint32_t 
   __syncthreads();   // every warp has read its last stage
   if (tile_ok[0]) {
     // Output rows of this warp: subtiles 8 wg + w % 4 (+ 4 for j = 1) of the CTA's 16.
-    const int col0 = 128 * (warp >> 2) + 16 * (warp & 3) + g;
-    float bias[2][2] = {};
-    if (p.bias) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const int n = 256 * n_tile + col0 + 64 * j + 8 * rh;
-          if (tile_ok[j]) bias[j][rh] = __ldg(p.bias + static_cast<int64_t>(expert) * p.n + n);
-        }
-      }
-    }
+    const uint32_t dst = smem + 2 * t * kWgRoundedRowBytes +
+                         4 * (128 * (warp >> 2) + 16 * (warp & 3) + g);
 #pragma unroll
     for (int nb = 0; nb < kN / 8; ++nb) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int r = 8 * nb + 2 * t + e;  // token column of acc[.][4 nb + 2 rh + e]
-        float w = 1.0f;
-        if (p.topk_weights) {
-          const int id = __ldg(p.sorted_ids + blk * kN + r);
-          if (id < p.num_rows) w = __ldg(p.topk_weights + id);
-        }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          if (!tile_ok[j]) continue;
 #pragma unroll
           for (int rh = 0; rh < 2; ++rh) {
-            float v = acc[j][4 * nb + 2 * rh + e];
-            if (p.bias) v += bias[j][rh];
-            if (p.topk_weights) v *= w;
-            const T h = HalfType<T>::from_float(v);
-            StShared16(smem + r * kWgRoundedRowBytes + 2 * (col0 + 64 * j + 8 * rh),
-                       *reinterpret_cast<const uint16_t*>(&h));
+            // acc[j][4 nb + 2 rh + e]: token 8 nb + 2 t + e, output row 64 j + 8 rh + g.
+            StShared32(dst + (8 * nb + e) * kWgRoundedRowBytes + 4 * (64 * j + 8 * rh),
+                       __float_as_uint(acc[j][4 * nb + 2 * rh + e]));
           }
         }
       }
     }
   }
   __syncthreads();
-  // Row pieces past N (an idle warpgroup, or N % 128 == 64) are not stored.
-  const int cols = min(256, p.n - 256 * n_tile);
+  // Thread: outputs 8 lane .. 8 lane + 7 of tokens warp + 8 i. Pieces past N (an idle warpgroup,
+  // or N % 128 == 64) are not stored.
+  constexpr int kPieces = kN * 32 / kWgmmaThreads;
+  const int n0 = 256 * n_tile + 8 * lane;
+  if (n0 >= p.n) return;
+  int ids[kPieces];
+  float w[kPieces];
 #pragma unroll
-  for (int i = 0; i < kN * 32 / kWgmmaThreads; ++i) {
-    const int v = tid + kWgmmaThreads * i;
-    const int r = v >> 5, q = v & 31;
-    const int id = __ldg(p.sorted_ids + blk * kN + r);
-    if (id >= p.num_rows || 8 * q >= cols) continue;
-    const uint4 piece = LdShared128(smem + r * kWgRoundedRowBytes + 16 * q);
-    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.rounded) + static_cast<int64_t>(id) * p.n +
-                              256 * n_tile + 8 * q) = piece;
+  for (int i = 0; i < kPieces; ++i) ids[i] = __ldg(p.sorted_ids + blk * kN + warp + 8 * i);
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    w[i] = p.topk_weights && ids[i] < p.num_rows ? __ldg(p.topk_weights + ids[i]) : 1.0f;
+  }
+  float bias[8] = {};
+  if (p.bias) {
+    const float4* b = reinterpret_cast<const float4*>(p.bias + static_cast<int64_t>(expert) * p.n + n0);
+    const float4 lo = __ldg(b), hi = __ldg(b + 1);
+    bias[0] = lo.x; bias[1] = lo.y; bias[2] = lo.z; bias[3] = lo.w;
+    bias[4] = hi.x; bias[5] = hi.y; bias[6] = hi.z; bias[7] = hi.w;
+  }
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    const int r = warp + 8 * i;
+    if (ids[i] >= p.num_rows) continue;
+    const uint32_t src = smem + r * kWgRoundedRowBytes + 32 * lane;
+    const uint4 lo = LdShared128(src), hi = LdShared128(src + 16);
+    const uint32_t bits[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    alignas(16) T h[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      float v = __uint_as_float(bits[c]);
+      if (p.bias) v += bias[c];
+      if (p.topk_weights) v *= w[i];
+      h[c] = HalfType<T>::from_float(v);
+    }
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.rounded) + static_cast<int64_t>(ids[i]) * p.n +
+                              n0) = *reinterpret_cast<const uint4*>(h);
   }
 }
 
