@@ -214,6 +214,22 @@ def test_tokens_without_a_local_expert_are_zero(launch):
   assert _rel(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("launch", [{}, dict(block_m=32, mainloop="wgmma")],
+                         ids=["auto", "wgmma32"])
+def test_prefill_alignment_over_several_ctas(launch):
+  """From 8192 pairs the alignment counts and places its pairs over several CTAs (here three, the
+  last partial); on one EP rank half the pairs have no local expert."""
+  e, k, h, i, t, ranks, rank = 64, 8, 256, 128, 1100, 2, 1
+  prepared, canon = _experts(19, e, h, i)
+  x, logits, _ = _inputs(19, t, e, h)
+  local = e // ranks
+  out, _, _ = _run_poisoned(prepared, x, logits, e=e, k=k, i=i, local=local, ep_rank=rank,
+                            routing_method=RM.Renormalize, **launch)
+  ref = _reference(canon, x, logits, e=e, k=k, local=local, ep_rank=rank,
+                   routing_method=RM.Renormalize)
+  assert _rel(out, ref) <= TOL
+
+
 @pytest.mark.parametrize("name,e,k,h,i,method", [
     ("Qwen3-30B-A3B", 128, 8, 2048, 768, RM.RenormalizeNaive),
     ("DeepSeek-V2-Lite", 64, 6, 2048, 1408, RM.Default),

@@ -296,8 +296,9 @@ def test_hidden_not_a_multiple_of_the_gemm2_tile():
 
 @needs_gpu
 @pytest.mark.parametrize("on_input", [False, True])
-def test_out_of_range_ids_contribute_nothing(on_input):
-  t, e, k = 33, 8, 3
+@pytest.mark.parametrize("t", [33, 2800])  # 2800 x 3 pairs: the alignment spans three CTAs
+def test_out_of_range_ids_contribute_nothing(on_input, t):
+  e, k = 8, 3
   ids, _ = _routing(jax.random.PRNGKey(9), t, e, k)
   ids = ids.at[0, 1].set(-1).at[3, 0].set(e).at[4].set(jnp.array([99, -5, 1000]))
   y, _, _ = _run_case(9, t=t, e=e, k=k, ids=ids, on_input=on_input, dtype=jnp.float32)

@@ -486,6 +486,25 @@ def test_tokens_without_a_valid_expert_are_zero(launch):
   assert _rel(got, want) <= TOL
 
 
+@pytest.mark.parametrize("launch", [{}, dict(block_m=64), dict(block_m=32, mainloop="wgmma")],
+                         ids=["auto", "64", "wgmma32"])
+def test_prefill_alignment_over_several_ctas(launch):
+  """From 8192 pairs the alignment counts and places its pairs over several CTAs (here five, the
+  last partial), with out-of-range ids among them and tokens without any valid expert."""
+  t, e, k, h, i = 2300, 64, 8, 256, 128
+  weights, (w13, w2, b13, b2) = _build(17, e, h, i, 64, jnp.bfloat16, bias=True)
+  topk_w, topk_ids = _routing(17, t, e, k)
+  bad_ids = topk_ids.at[::7, 3].set(99).at[::11, 5].set(-1).at[[5, 2000]].set(e)
+  x = jax.random.normal(jax.random.PRNGKey(18), (t, h), jnp.float32).astype(jnp.bfloat16)
+  poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
+  run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, **launch))
+  got = np.asarray(run(x, weights, topk_w, bad_ids, out_init=poison).astype(jnp.float32))
+  assert np.isfinite(got).all(), "unwritten (NaN) output elements"
+  assert (got[[5, 2000]] == 0).all()
+  want = _reference_standard(x, bad_ids, topk_w, w13, w2, b13, b2, kind=0, dtype=jnp.bfloat16)
+  assert _rel(got, want) <= TOL
+
+
 def test_bad_input_raises_python_errors():
   """Bad input ends in a Python exception on the GPU machine too: Python's checks before the
   custom call, and the FFI handler's own (a call that bypasses them) as an XLA error, never a

@@ -854,6 +854,45 @@ __device__ __forceinline__ void WriteLogicalOrderRows(const LogicalOrderRows& r,
   }
 }
 
+// cursor[e] = sum over e' < e of counts[e'] rounded up to block_m, block-wide; returns the total
+// (every thread). Thread i owns experts [i*per, (i+1)*per). Every thread of the CTA must call it;
+// counts and cursor are in shared memory.
+__device__ __forceinline__ int PaddedExpertOffsets(const int32_t* counts, int experts, int block_m,
+                                                   int32_t* cursor) {
+  __shared__ int32_t warp_sums[32];
+  const int per = (experts + blockDim.x - 1) / blockDim.x;
+  const int own_begin = min(experts, static_cast<int>(threadIdx.x) * per);
+  const int own_end = min(experts, own_begin + per);
+  int own = 0;
+  for (int e = own_begin; e < own_end; ++e) own += (counts[e] + block_m - 1) / block_m * block_m;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  int inclusive = own;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < warps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  int offset = inclusive - own + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int e = own_begin; e < own_end; ++e) {
+    cursor[e] = offset;
+    offset += (counts[e] + block_m - 1) / block_m * block_m;
+  }
+  return warp_sums[warps - 1];
+}
+
 // Standard format: sorted_ids lists pair ids p = t*K + k grouped by expert,
 // each expert's run padded to block_m with `num_rows`; expert_ids per block
 // (-1 past the end). Ids out of [0, E) are dropped (they contribute nothing).
@@ -909,39 +948,9 @@ static __global__ void __launch_bounds__(1024)
   }
   __syncthreads();
   // Exclusive prefix sum of the padded counts, block-wide (a serial loop over E in one thread
-  // took ~8 us of a 13 us launch at E=128). Thread i owns experts [i*per, (i+1)*per).
-  __shared__ int32_t warp_sums[32];
-  const int per = (experts + blockDim.x - 1) / blockDim.x;
-  const int own_begin = min(experts, static_cast<int>(threadIdx.x) * per);
-  const int own_end = min(experts, own_begin + per);
-  int own = 0;
-  for (int e = own_begin; e < own_end; ++e) own += (counts[e] + block_m - 1) / block_m * block_m;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int inclusive = own;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = blockDim.x >> 5;
-    int w = lane < warps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
-    }
-    if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  int offset = inclusive - own + (warp > 0 ? warp_sums[warp - 1] : 0);
-  for (int e = own_begin; e < own_end; ++e) {
-    cursor[e] = offset;
-    offset += (counts[e] + block_m - 1) / block_m * block_m;
-  }
-  if (threadIdx.x == blockDim.x - 1) *num_post_padded = offset;  // the last thread ends at the total
+  // took ~8 us of a 13 us launch at E=128).
+  const int total = PaddedExpertOffsets(counts, experts, block_m, cursor);
+  if (threadIdx.x == 0) *num_post_padded = total;
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
     const int first = cursor[e] / block_m;
@@ -957,6 +966,180 @@ static __global__ void __launch_bounds__(1024)
       if (e[j] >= 0 && e[j] < experts) sorted_ids[atomicAdd(&cursor[e[j]], 1)] = i0 + j * stride;
     }
   }
+}
+
+// The standard format's alignment over several CTAs, for prefills (one CTA took 53 us at 32768
+// pairs, E = 128, on an H200: its shared-memory atomics). Two launches with the outputs of
+// AlignStandardKernel (the order of pairs within an expert aside: rows are independent):
+// AlignCountKernel counts each CTA's slice of kAlignPairsPerCta pairs per expert into
+// cta_counts[e][c]; the first C CTAs of AlignScatterKernel each derive every expert's offset and
+// their slice's share before it from all counts, then place their slice. No split-K zeroing.
+constexpr int kAlignPairsPerCta = 4096;
+constexpr int kAlignThreads = 1024;
+
+// Blocks [0, C) count; the next order.blocks write the wgmma GEMM's input order.
+static __global__ void __launch_bounds__(kAlignThreads)
+    AlignCountKernel(const int32_t* topk_ids, int num_pairs, int experts, int count_ctas,
+                     int32_t* cta_counts, LogicalOrderRows order) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  const int c = blockIdx.x;
+  if (c >= count_ctas) {
+    WriteLogicalOrderRows(order, c - count_ctas);
+    return;
+  }
+  extern __shared__ int32_t counts[];  // [experts]
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int end = min(num_pairs, (c + 1) * kAlignPairsPerCta);
+  constexpr int kPerThread = kAlignPairsPerCta / kAlignThreads;
+  int ids[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = c * kAlignPairsPerCta + j * kAlignThreads + threadIdx.x;
+    ids[j] = i < end ? __ldg(topk_ids + i) : -1;
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    if (ids[j] >= 0 && ids[j] < experts) atomicAdd(&counts[ids[j]], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    cta_counts[static_cast<int64_t>(e) * count_ctas + c] = counts[e];
+  }
+}
+
+// Shared memory 3 * E ints: per-expert totals, this slice's cursors, the expert offsets.
+static __global__ void __launch_bounds__(kAlignThreads)
+    AlignScatterKernel(const int32_t* topk_ids, int num_pairs, int experts, int block_m,
+                       int max_padded, int max_blocks, int count_ctas, const int32_t* cta_counts,
+                       int32_t* sorted_ids, int32_t* expert_ids, int32_t* num_post_padded) {
+  WaitForPriorGrids();
+  AllowDependentGrids();
+  const int c = blockIdx.x;
+  extern __shared__ int32_t shared[];
+  int32_t* totals = shared;
+  int32_t* cursor = shared + experts;
+  int32_t* offsets = shared + 2 * experts;
+  // This slice's ids, loaded before the counts are summed (their latency overlaps).
+  const int end = min(num_pairs, (c + 1) * kAlignPairsPerCta);
+  constexpr int kPerThread = kAlignPairsPerCta / kAlignThreads;
+  int ids[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = c * kAlignPairsPerCta + j * kAlignThreads + threadIdx.x;
+    ids[j] = i < end ? __ldg(topk_ids + i) : -1;
+  }
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    const int32_t* row = cta_counts + static_cast<int64_t>(e) * count_ctas;
+    int total = 0, before = 0;
+#pragma unroll 8
+    for (int k = 0; k < count_ctas; ++k) {
+      const int v = __ldcg(row + k);
+      total += v;
+      before += k < c ? v : 0;
+    }
+    totals[e] = total;
+    cursor[e] = before;
+  }
+  __syncthreads();
+  const int padded_total = PaddedExpertOffsets(totals, experts, block_m, offsets);
+  __syncthreads();
+  // Every CTA: its experts' blocks (e % C == c) and pad slots; a strided share of the tail.
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    cursor[e] += offsets[e];
+    if (e % count_ctas != c) continue;
+    const int blocks = (totals[e] + block_m - 1) / block_m;
+    for (int b = 0; b < blocks; ++b) expert_ids[offsets[e] / block_m + b] = e;
+    for (int i = offsets[e] + totals[e]; i < offsets[e] + blocks * block_m; ++i) {
+      sorted_ids[i] = num_pairs;
+    }
+  }
+  const int stride = count_ctas * kAlignThreads;
+  for (int i = padded_total + c * kAlignThreads + threadIdx.x; i < max_padded; i += stride) {
+    sorted_ids[i] = num_pairs;
+  }
+  for (int b = padded_total / block_m + c * kAlignThreads + threadIdx.x; b < max_blocks;
+       b += stride) {
+    expert_ids[b] = -1;
+  }
+  if (c == 0 && threadIdx.x == 0) *num_post_padded = padded_total;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    if (ids[j] >= 0 && ids[j] < experts) {
+      sorted_ids[atomicAdd(&cursor[ids[j]], 1)] = c * kAlignPairsPerCta + j * kAlignThreads +
+                                                   static_cast<int>(threadIdx.x);
+    }
+  }
+}
+
+// The standard format's alignment launch(es): AlignStandardKernel (one aligning CTA, plus the
+// input-order and zeroing CTAs), or for many pairs with nothing to zero AlignCountKernel +
+// AlignScatterKernel, their per-CTA counts in `scratch` (a workspace that no kernel of the op has
+// used yet) when they fit. first_kernel: the op's first launch (no dependent launch).
+struct StandardAlignment {
+  const int32_t* topk_ids = nullptr;
+  int num_pairs = 0, experts = 0, block_m = 8, max_padded = 0, max_blocks = 0;
+  int32_t* sorted_ids = nullptr;
+  int32_t* expert_ids = nullptr;
+  int32_t* num_post_padded = nullptr;
+  float* ws_a = nullptr;
+  int64_t count_a = 0;
+  float* ws_b = nullptr;
+  int64_t count_b = 0;
+  LogicalOrderRows order;
+  void* scratch = nullptr;
+  int64_t scratch_bytes = 0;
+};
+
+// Pairs from which the alignment runs over several CTAs, and the most counts it gathers.
+constexpr int kAlignMultiCtaMinPairs = 2 * kAlignPairsPerCta;
+constexpr int64_t kAlignMaxCounts = 1 << 16;
+constexpr int kAlignMultiCtaMaxExperts = 2048;  // AlignScatterKernel's 3 * E ints within 48 KB
+
+inline int AlignCountCtas(const StandardAlignment& a) {
+  if (a.count_a > 0 || a.count_b > 0 || a.num_pairs < kAlignMultiCtaMinPairs ||
+      a.experts > kAlignMultiCtaMaxExperts) {
+    return 0;
+  }
+  const int64_t ctas = (a.num_pairs + kAlignPairsPerCta - 1) / kAlignPairsPerCta;
+  const int64_t counts = ctas * a.experts;
+  if (counts > kAlignMaxCounts || counts * 4 > a.scratch_bytes) return 0;
+  return static_cast<int>(ctas);
+}
+
+template <typename Kernel, typename... Args>
+void LaunchAlignmentKernel(bool first_kernel, Kernel kernel, dim3 grid, size_t smem,
+                           cudaStream_t stream, Args... args) {
+  if (first_kernel) {
+    kernel<<<grid, kAlignThreads, smem, stream>>>(args...);
+  } else {
+    LaunchAfterPrior(kernel, grid, dim3(kAlignThreads), smem, stream, args...);
+  }
+}
+
+inline void LaunchStandardAlignment(const StandardAlignment& a, bool first_kernel,
+                                    cudaStream_t stream) {
+  const size_t experts = static_cast<size_t>(a.experts);
+  if (const int ctas = AlignCountCtas(a); ctas > 0) {
+    int32_t* cta_counts = static_cast<int32_t*>(a.scratch);
+    LaunchAlignmentKernel(first_kernel, AlignCountKernel, dim3(ctas + a.order.blocks),
+                          experts * sizeof(int32_t), stream, a.topk_ids, a.num_pairs, a.experts,
+                          ctas, cta_counts, a.order);
+    LaunchAfterPrior(AlignScatterKernel, dim3(ctas), dim3(kAlignThreads),
+                     3 * experts * sizeof(int32_t), stream, a.topk_ids, a.num_pairs, a.experts,
+                     a.block_m, a.max_padded, a.max_blocks, ctas,
+                     static_cast<const int32_t*>(cta_counts), a.sorted_ids, a.expert_ids,
+                     a.num_post_padded);
+    return;
+  }
+  const int zero_blocks = (a.count_a + a.count_b) > 0 ? kZeroBlocks : 0;
+  LaunchAlignmentKernel(first_kernel, AlignStandardKernel, dim3(1 + a.order.blocks + zero_blocks),
+                        2 * experts * sizeof(int32_t), stream, a.topk_ids, a.num_pairs,
+                        a.experts, a.block_m, a.max_padded, a.max_blocks, a.sorted_ids,
+                        a.expert_ids, a.num_post_padded, a.ws_a, a.count_a, a.ws_b, a.count_b,
+                        a.order);
 }
 
 // Batched format: expert e owns blocks [e * bpe, (e + 1) * bpe) of rows

@@ -196,14 +196,25 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   if (!direct) {
     const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
-    const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
-    const LogicalOrderRows order =
-        wgmma ? MakeLogicalOrderRows(p.x, p.x_perm, H, MxInt4MoePermutedRows(p))
-              : LogicalOrderRows{};
-    LaunchAfterPrior(AlignStandardKernel, dim3(1 + order.blocks + zero_blocks), dim3(1024),
-                     2 * L * sizeof(int32_t), stream, p.local_ids, rows, L, p.block_m,
-                     max_padded, max_blocks, p.sorted_ids, p.expert_ids, p.num_post_padded,
-                     p.ws13, zero13, p.ws2, zero2, order);
+    StandardAlignment a;
+    a.topk_ids = p.local_ids;
+    a.num_pairs = rows;
+    a.experts = L;
+    a.block_m = p.block_m;
+    a.max_padded = max_padded;
+    a.max_blocks = max_blocks;
+    a.sorted_ids = p.sorted_ids;
+    a.expert_ids = p.expert_ids;
+    a.num_post_padded = p.num_post_padded;
+    a.ws_a = p.ws13;
+    a.count_a = zero13;
+    a.ws_b = p.ws2;
+    a.count_b = zero2;
+    a.order = wgmma ? MakeLogicalOrderRows(p.x, p.x_perm, H, MxInt4MoePermutedRows(p))
+                    : LogicalOrderRows{};
+    a.scratch = p.ws2;  // GEMM2's rows, written only after the alignment
+    a.scratch_bytes = MxInt4MoeWs2Floats(p) * static_cast<int64_t>(sizeof(float));
+    LaunchStandardAlignment(a, /*first_kernel=*/false, stream);
     err = CudaError("alignment kernel");
     if (!err.empty()) return err;
   }

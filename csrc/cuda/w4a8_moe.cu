@@ -676,11 +676,21 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts), K = static_cast<int>(p.top_k);
 
-  // 1. Token-to-expert alignment in blocks of 128 (the WNA16 launcher's kernel; no workspace to
-  // zero: nothing here splits K).
-  AlignStandardKernel<<<1, 1024, 2 * E * sizeof(int32_t), stream>>>(
-      p.topk_ids, static_cast<int>(rows), E, kW8BlockM, static_cast<int>(max_padded),
-      static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded);
+  // 1. Token-to-expert alignment in blocks of 128 (the WNA16 launcher's; no workspace to zero:
+  // nothing here splits K).
+  StandardAlignment a;
+  a.topk_ids = p.topk_ids;
+  a.num_pairs = static_cast<int>(rows);
+  a.experts = E;
+  a.block_m = kW8BlockM;
+  a.max_padded = static_cast<int>(max_padded);
+  a.max_blocks = static_cast<int>(max_blocks);
+  a.sorted_ids = p.sorted_ids;
+  a.expert_ids = p.expert_ids;
+  a.num_post_padded = p.num_post_padded;
+  a.scratch = p.ws2;  // GEMM2's rows, written only after the alignment
+  a.scratch_bytes = rows * H * static_cast<int64_t>(p.dtype == W4a8Dtype::kF32 ? 4 : 2);
+  LaunchStandardAlignment(a, /*first_kernel=*/true, stream);
   std::string err = CudaError("alignment kernel");
   if (!err.empty()) return err;
 

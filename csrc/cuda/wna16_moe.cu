@@ -127,8 +127,6 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     const int64_t zero13 = p.split13 > 1 ? rows * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? rows * H : 0;
     const int zero_blocks = (zero13 + zero2) > 0 ? kZeroBlocks : 0;
-    const LogicalOrderRows order =
-        order_in_align ? MakeLogicalOrderRows(p.x, p.x_perm, H, p.tokens) : LogicalOrderRows{};
     if (p.batched) {
       const int threads = 256;
       const int blocks = std::max(1, static_cast<int>((max_padded + threads - 1) / threads));
@@ -136,11 +134,25 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
           p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
           p.expert_ids, p.num_post_padded, blocks, p.ws13, zero13, p.ws2, zero2);
     } else {
-      AlignStandardKernel<<<1 + order.blocks + zero_blocks, 1024, 2 * E * sizeof(int32_t),
-                            stream>>>(
-          p.topk_ids, static_cast<int>(rows), E, p.block_m, static_cast<int>(max_padded),
-          static_cast<int>(max_blocks), p.sorted_ids, p.expert_ids, p.num_post_padded, p.ws13,
-          zero13, p.ws2, zero2, order);
+      StandardAlignment a;
+      a.topk_ids = p.topk_ids;
+      a.num_pairs = static_cast<int>(rows);
+      a.experts = E;
+      a.block_m = p.block_m;
+      a.max_padded = static_cast<int>(max_padded);
+      a.max_blocks = static_cast<int>(max_blocks);
+      a.sorted_ids = p.sorted_ids;
+      a.expert_ids = p.expert_ids;
+      a.num_post_padded = p.num_post_padded;
+      a.ws_a = p.ws13;
+      a.count_a = zero13;
+      a.ws_b = p.ws2;
+      a.count_b = zero2;
+      a.order = order_in_align ? MakeLogicalOrderRows(p.x, p.x_perm, H, p.tokens)
+                               : LogicalOrderRows{};
+      a.scratch = p.ws2;  // GEMM2's rows, written only after the alignment
+      a.scratch_bytes = Wna16MoeWs2Floats(p) * static_cast<int64_t>(sizeof(float));
+      LaunchStandardAlignment(a, /*first_kernel=*/true, stream);
     }
   }
   std::string err = CudaError("alignment kernel");
