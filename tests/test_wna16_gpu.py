@@ -494,7 +494,7 @@ def test_prefill_alignment_over_several_ctas(launch):
   t, e, k, h, i = 2300, 64, 8, 256, 128
   weights, (w13, w2, b13, b2) = _build(17, e, h, i, 64, jnp.bfloat16, bias=True)
   topk_w, topk_ids = _routing(17, t, e, k)
-  bad_ids = topk_ids.at[::7, 3].set(99).at[::11, 5].set(-1).at[[5, 2000]].set(e)
+  bad_ids = topk_ids.at[::7, 3].set(99).at[::11, 5].set(-1).at[jnp.array([5, 2000])].set(e)
   x = jax.random.normal(jax.random.PRNGKey(18), (t, h), jnp.float32).astype(jnp.bfloat16)
   poison = jnp.full((t, h), jnp.nan, jnp.bfloat16)
   run = jax.jit(functools.partial(wna16_gpu.fused_marlin_moe, **launch))
