@@ -974,7 +974,7 @@ static __global__ void __launch_bounds__(1024)
 // AlignCountKernel counts each CTA's slice of kAlignPairsPerCta pairs per expert into
 // cta_counts[e][c]; the first C CTAs of AlignScatterKernel each derive every expert's offset and
 // their slice's share before it from all counts, then place their slice. No split-K zeroing.
-constexpr int kAlignPairsPerCta = 4096;
+constexpr int kAlignPairsPerCta = 2048;
 constexpr int kAlignThreads = 1024;
 
 // Blocks [0, C) count; the next order.blocks write the wgmma GEMM's input order.
@@ -1094,7 +1094,7 @@ struct StandardAlignment {
 };
 
 // Pairs from which the alignment runs over several CTAs, and the most counts it gathers.
-constexpr int kAlignMultiCtaMinPairs = 2 * kAlignPairsPerCta;
+constexpr int kAlignMultiCtaMinPairs = 8192;
 constexpr int64_t kAlignMaxCounts = 1 << 16;
 constexpr int kAlignMultiCtaMaxExperts = 2048;  // AlignScatterKernel's 3 * E ints within 48 KB
 
