@@ -976,6 +976,18 @@ static __global__ void __launch_bounds__(1024)
 // their slice's share before it from all counts, then place their slice. No split-K zeroing.
 constexpr int kAlignPairsPerCta = 2048;
 constexpr int kAlignThreads = 1024;
+constexpr int kAlignIdsPerThread = kAlignPairsPerCta / kAlignThreads;
+
+// The expert ids of CTA c's slice that this thread owns (-1 past the end).
+__device__ __forceinline__ void LoadSliceIds(const int32_t* topk_ids, int num_pairs, int c,
+                                             int (&ids)[kAlignIdsPerThread]) {
+  const int end = min(num_pairs, (c + 1) * kAlignPairsPerCta);
+#pragma unroll
+  for (int j = 0; j < kAlignIdsPerThread; ++j) {
+    const int i = c * kAlignPairsPerCta + j * kAlignThreads + threadIdx.x;
+    ids[j] = i < end ? __ldg(topk_ids + i) : -1;
+  }
+}
 
 // Blocks [0, C) count; the next order.blocks write the wgmma GEMM's input order.
 static __global__ void __launch_bounds__(kAlignThreads)
@@ -991,16 +1003,10 @@ static __global__ void __launch_bounds__(kAlignThreads)
   extern __shared__ int32_t counts[];  // [experts]
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
-  const int end = min(num_pairs, (c + 1) * kAlignPairsPerCta);
-  constexpr int kPerThread = kAlignPairsPerCta / kAlignThreads;
-  int ids[kPerThread];
+  int ids[kAlignIdsPerThread];
+  LoadSliceIds(topk_ids, num_pairs, c, ids);
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int i = c * kAlignPairsPerCta + j * kAlignThreads + threadIdx.x;
-    ids[j] = i < end ? __ldg(topk_ids + i) : -1;
-  }
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kAlignIdsPerThread; ++j) {
     if (ids[j] >= 0 && ids[j] < experts) atomicAdd(&counts[ids[j]], 1);
   }
   __syncthreads();
@@ -1022,14 +1028,8 @@ static __global__ void __launch_bounds__(kAlignThreads)
   int32_t* cursor = shared + experts;
   int32_t* offsets = shared + 2 * experts;
   // This slice's ids, loaded before the counts are summed (their latency overlaps).
-  const int end = min(num_pairs, (c + 1) * kAlignPairsPerCta);
-  constexpr int kPerThread = kAlignPairsPerCta / kAlignThreads;
-  int ids[kPerThread];
-#pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int i = c * kAlignPairsPerCta + j * kAlignThreads + threadIdx.x;
-    ids[j] = i < end ? __ldg(topk_ids + i) : -1;
-  }
+  int ids[kAlignIdsPerThread];
+  LoadSliceIds(topk_ids, num_pairs, c, ids);
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
     const int32_t* row = cta_counts + static_cast<int64_t>(e) * count_ctas;
     int total = 0, before = 0;
@@ -1066,7 +1066,7 @@ static __global__ void __launch_bounds__(kAlignThreads)
   if (c == 0 && threadIdx.x == 0) *num_post_padded = padded_total;
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kAlignIdsPerThread; ++j) {
     if (ids[j] >= 0 && ids[j] < experts) {
       sorted_ids[atomicAdd(&cursor[ids[j]], 1)] = c * kAlignPairsPerCta + j * kAlignThreads +
                                                    static_cast<int>(threadIdx.x);
@@ -1092,6 +1092,24 @@ struct StandardAlignment {
   void* scratch = nullptr;
   int64_t scratch_bytes = 0;
 };
+
+// The fields every caller sets: pairs, their experts and the alignment outputs.
+inline StandardAlignment MakeStandardAlignment(const int32_t* topk_ids, int64_t num_pairs,
+                                               int experts, int block_m, int64_t max_padded,
+                                               int64_t max_blocks, int32_t* sorted_ids,
+                                               int32_t* expert_ids, int32_t* num_post_padded) {
+  StandardAlignment a;
+  a.topk_ids = topk_ids;
+  a.num_pairs = static_cast<int>(num_pairs);
+  a.experts = experts;
+  a.block_m = block_m;
+  a.max_padded = static_cast<int>(max_padded);
+  a.max_blocks = static_cast<int>(max_blocks);
+  a.sorted_ids = sorted_ids;
+  a.expert_ids = expert_ids;
+  a.num_post_padded = num_post_padded;
+  return a;
+}
 
 // Pairs from which the alignment runs over several CTAs, and the most counts it gathers.
 constexpr int kAlignMultiCtaMinPairs = 8192;

@@ -196,16 +196,9 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   if (!direct) {
     const int64_t zero13 = p.split13 > 1 ? static_cast<int64_t>(rows) * 2 * I : 0;
     const int64_t zero2 = p.split2 > 1 ? static_cast<int64_t>(rows) * H : 0;
-    StandardAlignment a;
-    a.topk_ids = p.local_ids;
-    a.num_pairs = rows;
-    a.experts = L;
-    a.block_m = p.block_m;
-    a.max_padded = max_padded;
-    a.max_blocks = max_blocks;
-    a.sorted_ids = p.sorted_ids;
-    a.expert_ids = p.expert_ids;
-    a.num_post_padded = p.num_post_padded;
+    StandardAlignment a =
+        MakeStandardAlignment(p.local_ids, rows, L, p.block_m, max_padded, max_blocks,
+                              p.sorted_ids, p.expert_ids, p.num_post_padded);
     a.ws_a = p.ws13;
     a.count_a = zero13;
     a.ws_b = p.ws2;

@@ -678,16 +678,9 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
 
   // 1. Token-to-expert alignment in blocks of 128 (the WNA16 launcher's; no workspace to zero:
   // nothing here splits K).
-  StandardAlignment a;
-  a.topk_ids = p.topk_ids;
-  a.num_pairs = static_cast<int>(rows);
-  a.experts = E;
-  a.block_m = kW8BlockM;
-  a.max_padded = static_cast<int>(max_padded);
-  a.max_blocks = static_cast<int>(max_blocks);
-  a.sorted_ids = p.sorted_ids;
-  a.expert_ids = p.expert_ids;
-  a.num_post_padded = p.num_post_padded;
+  StandardAlignment a =
+      MakeStandardAlignment(p.topk_ids, rows, E, kW8BlockM, max_padded, max_blocks, p.sorted_ids,
+                            p.expert_ids, p.num_post_padded);
   a.scratch = p.ws2;  // GEMM2's rows, written only after the alignment
   a.scratch_bytes = rows * H * static_cast<int64_t>(p.dtype == W4a8Dtype::kF32 ? 4 : 2);
   LaunchStandardAlignment(a, /*first_kernel=*/true, stream);

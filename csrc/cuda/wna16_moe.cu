@@ -134,16 +134,9 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
           p.expert_num_tokens, E, static_cast<int>(p.tokens), p.block_m, p.sorted_ids,
           p.expert_ids, p.num_post_padded, blocks, p.ws13, zero13, p.ws2, zero2);
     } else {
-      StandardAlignment a;
-      a.topk_ids = p.topk_ids;
-      a.num_pairs = static_cast<int>(rows);
-      a.experts = E;
-      a.block_m = p.block_m;
-      a.max_padded = static_cast<int>(max_padded);
-      a.max_blocks = static_cast<int>(max_blocks);
-      a.sorted_ids = p.sorted_ids;
-      a.expert_ids = p.expert_ids;
-      a.num_post_padded = p.num_post_padded;
+      StandardAlignment a =
+          MakeStandardAlignment(p.topk_ids, rows, E, p.block_m, max_padded, max_blocks,
+                                p.sorted_ids, p.expert_ids, p.num_post_padded);
       a.ws_a = p.ws13;
       a.count_a = zero13;
       a.ws_b = p.ws2;
