@@ -425,6 +425,33 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
   }
 }
 
+// Pairs k0 .. k0 + 7 of token t (those past top_k are out): whether each pair's expert lies in
+// [0, experts) and, for those, columns col .. col + 7 of its row of T widened to f32. One 16-byte
+// load a pair, all eight issued before any is used, so a token of few pairs still has bytes in
+// flight. Shared by the finalize kernels that read rows of T (here and W4A8's).
+template <typename T>
+__device__ __forceinline__ void LoadPairRows8(const T* rows, const int32_t* pair_experts,
+                                              int experts, int top_k, int n, int t, int k0,
+                                              int col, bool (&in)[8], float (&y)[8][8]) {
+  uint4 raw[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int e = k0 + j < top_k ? __ldg(pair_experts + t * top_k + k0 + j) : -1;
+    in[j] = e >= 0 && e < experts;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int64_t at = static_cast<int64_t>(t * top_k + k0 + j) * n + col;
+    raw[j] = in[j] ? __ldcg(reinterpret_cast<const uint4*>(rows + at)) : uint4{};
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const T* h = reinterpret_cast<const T*>(&raw[j]);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) y[j][c] = HalfType<T>::to_float(h[c]);
+  }
+}
+
 // The standard format's last step after the wgmma GEMM2 (kRoundedStore), whose rows already hold
 // round((acc + bias[e]) * topk_weights[t*K+k]) as T: out[t][col..col+7] = round(sum_k rows[t*K+k])
 // (f32 sum in slot order) over the pairs whose expert is in [0, experts). The same result as
@@ -438,28 +465,16 @@ __global__ void FinalizeRoundedRowsKernel(const T* rows, const int32_t* pair_exp
   const int t = blockIdx.x;
   const int col = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
   if (t >= tokens || col >= n) return;
-  // Eight pairs' loads in flight before any is used, as in FinalizeTokenColumn.
-  constexpr int kBatch = 8;
   float sum[8] = {};
-  for (int k0 = 0; k0 < top_k; k0 += kBatch) {
-    bool in[kBatch];
-    uint4 y[kBatch];
+  for (int k0 = 0; k0 < top_k; k0 += 8) {
+    bool in[8];
+    float y[8][8];
+    LoadPairRows8<T>(rows, pair_experts, experts, top_k, n, t, k0, col, in, y);
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int e = k0 + j < top_k ? __ldg(pair_experts + t * top_k + k0 + j) : -1;
-      in[j] = e >= 0 && e < experts;
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int64_t at = static_cast<int64_t>(t * top_k + k0 + j) * n + col;
-      y[j] = in[j] ? __ldcg(reinterpret_cast<const uint4*>(rows + at)) : uint4{};
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
+    for (int j = 0; j < 8; ++j) {
       if (!in[j]) continue;
-      const T* h = reinterpret_cast<const T*>(&y[j]);
 #pragma unroll
-      for (int c = 0; c < 8; ++c) sum[c] += HalfType<T>::to_float(h[c]);
+      for (int c = 0; c < 8; ++c) sum[c] += y[j][c];
     }
   }
   alignas(16) T h[8];

@@ -611,45 +611,42 @@ __global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids,
   const int t = blockIdx.x;
   const int n = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
   if (t >= tokens || n >= hidden) return;
-  using Stored = std::conditional_t<std::is_same_v<T, float>, float, T>;
-  const Stored* rows = static_cast<const Stored*>(ws);
-  // Eight pairs' loads are issued before any is used (ids, then rows and weights), as in
-  // FinalizeTokenColumn; the sum keeps the order of k.
+  // Eight pairs' rows are loaded before any is used (LoadPairRows8 for rows of T); the sum keeps
+  // the order of k, rounding after every add (SPEC §4), unlike FinalizeRoundedRowsKernel.
   constexpr int kBatch = 8;
   float sum[8] = {};
   for (int k0 = 0; k0 < top_k; k0 += kBatch) {
-    int e[kBatch];
-    float w[kBatch];
+    bool in[kBatch];
     float y[kBatch][8];
+    if constexpr (std::is_same_v<T, float>) {
+      const float* rows = static_cast<const float*>(ws);
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      e[j] = k0 + j < top_k ? __ldg(topk_ids + t * top_k + k0 + j) : -1;
-    }
+      for (int j = 0; j < kBatch; ++j) {
+        const int e = k0 + j < top_k ? __ldg(topk_ids + t * top_k + k0 + j) : -1;
+        in[j] = e >= 0 && e < experts;
+      }
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int pair = t * top_k + k0 + j;
-      const bool in = e[j] >= 0 && e[j] < experts;
-      w[j] = in && !weight_on_input ? __ldg(topk_weights + pair) : 1.0f;
-      const Stored* src = rows + static_cast<int64_t>(pair) * hidden + n;
-      if constexpr (std::is_same_v<T, float>) {
-        const float4 lo = in ? __ldg(reinterpret_cast<const float4*>(src)) : float4{};
-        const float4 hi = in ? __ldg(reinterpret_cast<const float4*>(src) + 1) : float4{};
+      for (int j = 0; j < kBatch; ++j) {
+        const float4* src = reinterpret_cast<const float4*>(
+            rows + static_cast<int64_t>(t * top_k + k0 + j) * hidden + n);
+        const float4 lo = in[j] ? __ldcg(src) : float4{};
+        const float4 hi = in[j] ? __ldcg(src + 1) : float4{};
         const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
         for (int f = 0; f < 8; ++f) y[j][f] = v[f];
-      } else {
-        const uint4 q = in ? __ldg(reinterpret_cast<const uint4*>(src)) : uint4{};
-        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int f = 0; f < 8; ++f) {
-          const uint16_t bits = static_cast<uint16_t>(words[f / 2] >> (16 * (f % 2)));
-          y[j][f] = ToFloat(*reinterpret_cast<const T*>(&bits));
-        }
       }
+    } else {
+      LoadPairRows8<T>(static_cast<const T*>(ws), topk_ids, experts, top_k, hidden, t, k0, n, in,
+                       y);
+    }
+    float w[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      w[j] = in[j] && !weight_on_input ? __ldg(topk_weights + t * top_k + k0 + j) : 1.0f;
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      if (e[j] < 0 || e[j] >= experts) continue;
+      if (!in[j]) continue;
 #pragma unroll
       for (int f = 0; f < 8; ++f) {
         float v = y[j][f];  // rounded to T by GEMM2
