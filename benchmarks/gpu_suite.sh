@@ -79,6 +79,13 @@ x = jax.random.normal(kq[4], (t, h)).astype(jnp.bfloat16)
 ids = jax.random.randint(kq[5], (t, k), 0, e).at[0].set(99)
 y = wna16_gpu.fused_marlin_moe(x, w, jnp.full((t, k), 0.5), ids)
 print("case token without a valid pair", bool(jnp.isfinite(y.astype(jnp.float32)).all()))
+# A prefill of 8400 pairs: the alignment over several CTAs (count and scatter launches, counts in
+# GEMM2's workspace) and the wgmma GEMMs, with out-of-range ids among the pairs.
+tl = 4200
+xl = jax.random.normal(kq[4], (tl, h)).astype(jnp.bfloat16)
+ids = jax.random.randint(kq[5], (tl, k), -2, e + 2)
+y = wna16_gpu.fused_marlin_moe(xl, w, jnp.full((tl, k), 0.5), ids)
+print("case multi-CTA alignment", bool(jnp.isfinite(y.astype(jnp.float32)).all()))
 # One token (the decode path without alignment; GEMM2 finalizes), with a foreign expert id.
 x1 = jax.random.normal(kq[4], (1, h)).astype(jnp.bfloat16)
 for ids in ([[1, 6]], [[3, 99]]):
