@@ -90,3 +90,28 @@ def test_gpu_peer_harness_times_each_op_and_reports_a_refusal(monkeypatch, capsy
   table = capsys.readouterr().out.splitlines()
   assert table[0].split()[-1] == "a/b" and table[1].split()[-1] == "n/a"
   assert table[-1].split()[-1] == "0.50"
+
+
+def test_gpu_roofline_plot_reads_both_benchmark_json_kinds(monkeypatch, tmp_path):
+  # benchmarks/plot_gpu_roofline.py: % of the int4 roofline from gpu_moe_bench.py's JSON and from
+  # the side-by-side harness's, with the byte term or the FLOP term binding.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import plot_gpu_roofline as plot  # pylint: disable=import-outside-toplevel
+  moe = tmp_path / "moe.json"
+  # 100 us moving 2 TB/s of a 4 TB/s copy rate (roof 50 us); 10 ms at 350 of 700 TFLOP/s.
+  moe.write_text(json.dumps(dict(device="GPU", copy_tbps=4.0, rows=[
+      dict(shape="S", T=1, us=100.0, tbps=2.0, tflops=0.1, ragged_us=400.0),
+      dict(shape="S", T=4096, us=1e4, tbps=0.01, tflops=350.0, ragged_us=None)])))
+  peers = tmp_path / "peers.json"
+  peers.write_text(json.dumps(dict(device="GPU", hbm=4e12, rows=[
+      dict(shape="S", T=16, a_us=200.0, a_tflops=0.1, a_hbm_frac=0.25, b_us=100.0,
+           b_tflops=0.2, b_hbm_frac=0.5),
+      dict(shape="S", T=64, a_us=None, b_us=None)])))
+  device, series = plot.load_row_group([str(moe)], 700e12)
+  assert device == "GPU"
+  assert series["ours (WNA16)"] == pytest.approx({("S", 1): 50.0, ("S", 4096): 50.0})
+  assert series["XLA ragged_dot (bf16)"] == pytest.approx({("S", 1): 12.5})
+  _, series = plot.load_row_group([str(peers)], 700e12)
+  assert sorted(series) == ["a", "b"]
+  assert series["a"] == pytest.approx({("S", 16): 25.0})
+  assert series["b"] == pytest.approx({("S", 16): 50.0})
