@@ -115,3 +115,16 @@ def test_gpu_roofline_plot_reads_both_benchmark_json_kinds(monkeypatch, tmp_path
   assert sorted(series) == ["a", "b"]
   assert series["a"] == pytest.approx({("S", 16): 25.0})
   assert series["b"] == pytest.approx({("S", 16): 50.0})
+
+
+def test_tokamax_bench_stubs_a_missing_xprof_tool(monkeypatch):
+  # tokamax 0.0.17 imports xprof.cli.tools.get_kernel_stats_tool at import time.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import tokamax_bench  # pylint: disable=import-outside-toplevel
+  for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+    monkeypatch.setitem(sys.modules, name, None)  # "not importable"; restored afterwards
+  assert tokamax_bench.stub_xprof_if_missing()
+  from xprof.cli.tools import get_kernel_stats_tool  # pylint: disable=import-outside-toplevel
+  with pytest.raises(NotImplementedError, match="stub from tokamax_bench"):
+    get_kernel_stats_tool()
+  assert not tokamax_bench.stub_xprof_if_missing()  # already importable now
