@@ -187,6 +187,71 @@ def w4a8_linear(x: Array, q_w: Array, w_scale: Array, group_size: int,
   return y.reshape(*lead, n)
 
 
+def linear_w4a8(x: Array, q_w: Array, w_scale: Array, group_size: int,
+                bias: Array | None = None) -> Array:
+  """The W4A8 dense linear of SPEC §12: `w4a8_linear` rounded once to x's dtype.
+
+  Args:
+    x: [..., K] float32 / bfloat16 / float16.
+    q_w: [N, K] int8 holding int4 values. w_scale: [N, K/g] (bf16) or [N, 1] (f32, g = -1).
+    group_size: 32, 64, 128 or -1. bias: optional [N], added in float32 before the rounding.
+
+  Returns:
+    [..., N] in x.dtype (`dynamic_4bit_int_moe`'s GEMM1 output for one expert, rounded as the
+    MoE rounds it before the activation).
+  """
+  x = jnp.asarray(x)
+  _check_float_dtype("x", x.dtype)
+  return round_to_dtype(w4a8_linear(x, q_w, w_scale, group_size, bias), x.dtype).astype(x.dtype)
+
+
+def linear_wna16(x: Array, q_w: Array, w_scale: Array, group_size: int, *,
+                 g_idx: Array | None = None, zeros: Array | None = None,
+                 bias: Array | None = None) -> Array:
+  """The weight-only int4 dense linear of SPEC §12 (Marlin's dense GEMM).
+
+  Weights dequantized per element to x's dtype as the WNA16 MoE does (round(f32(q - z)·f32(s))),
+  float32 products and accumulation, plus bias in float32, rounded once to x's dtype.
+
+  Args:
+    x: [..., K] float32 / bfloat16 / float16.
+    q_w: [N, K] int8: signed int4 values, or 0..15 with `zeros` (w = (q - z)·s).
+    w_scale: [N, K/g] group scales ([N, 1] for group_size -1).
+    group_size: 32, 64, 128 or -1.
+    g_idx: optional [K] integer group of each input channel (act-order): the scale of (n, k) is
+      w_scale[n, g_idx[k]]; without it, k // g.
+    zeros: optional [N, K/g] zero points; None = symmetric.
+    bias: optional [N].
+
+  Returns:
+    [..., N] in x.dtype.
+  """
+  x, q_w = jnp.asarray(x), jnp.asarray(q_w)
+  _check_float_dtype("x", x.dtype)
+  if q_w.ndim != 2:
+    raise ValueError(f"q_w must be 2-D [N, K], got shape {q_w.shape}")
+  if q_w.dtype != jnp.int8:
+    raise TypeError(f"q_w must be int8 (int4 values, or 0..15 with zeros), got {q_w.dtype}")
+  n, k = q_w.shape
+  if x.ndim < 1 or x.shape[-1] != k:
+    raise ValueError(f"x must be [..., {k}] to match q_w {q_w.shape}, got shape {x.shape}")
+  group = int4.validate_group_size(group_size, k)
+  _check_bias("w_scale", w_scale, (n, k // group))
+  _check_bias("zeros", zeros, (n, k // group))
+  _check_bias("bias", bias, (n,))
+  if g_idx is not None:
+    g_idx = jnp.asarray(g_idx)
+    if g_idx.shape != (k,):
+      raise ValueError(f"g_idx must have shape ({k},), got {g_idx.shape}")
+    if not jnp.issubdtype(g_idx.dtype, jnp.integer):
+      raise TypeError(f"g_idx must be integer, got {g_idx.dtype}")
+  w = _dequantize_expert(q_w, jnp.asarray(w_scale), None if zeros is None else jnp.asarray(zeros),
+                         g_idx, group, x.dtype)
+  y = _dot_f32(x.reshape(-1, k), w)
+  y = _add_bias(y, None if bias is None else jnp.asarray(bias)[None], 0)
+  return round_to_dtype(y, x.dtype).astype(x.dtype).reshape(*x.shape[:-1], n)
+
+
 # ------------------------------------------------------------------ activation
 def _sigmoid(v: Array) -> Array:
   return 1.0 / (1.0 + jnp.exp(-v))  # the kernels' formula (not lax.logistic)
