@@ -12,15 +12,22 @@ the repeats are reported. Variants:
   w4a8_int8         experts quantized to int4 on load, the CPU W4A8 kernel (CPU default)
   wna16, mxint4     experts quantized to int4 on load, the GPU kernels (GPU defaults)
 
+The `_all` variants quantize every other linear too (attention, dense MLPs, LM head:
+`quantize_linears=True, lm_head_quantization="int4"`) and run them on the int4 linear op of the
+platform (CPU W4A8, GPU WNA16). Each row gives the roofline beside its figures: the weight bytes
+one decode step reads over the memory rate measured in the same run (the GPU's copy rate, the
+CPU's DRAM read rate).
+
 A `no_moe` row times the first variant's model with its MLP blocks swapped for zeros: the cost
-of attention, norms, embedding and LM head, which stay float in every variant. Each variant's
+of attention, norms, embedding and LM head (as the first variant holds them). Each variant's
 decode step minus that floor is its MoE time per step, and the float step over the floor bounds
 what int4 experts can gain end to end (at a few layers the LM head, 151936 x 2048, dominates).
 Each row also gives the weight bytes a decode step reads (the experts its tokens route to, the
 LM head, the rest) and the rate that makes.
 
 Run: python benchmarks/model_bench.py [--layers 2] [--batch 1,16] [--json rows.json]
-     JAX_PLATFORMS=cuda python benchmarks/model_bench.py --variants float_ragged_dot,wna16,mxint4
+     JAX_PLATFORMS=cuda python benchmarks/model_bench.py --variants wna16,wna16_all --layers 48 \
+         --batch 1:2048,64:128
 """
 
 from __future__ import annotations
@@ -48,15 +55,19 @@ from flax import nnx  # noqa: E402
 
 from jax_moeq import models  # noqa: E402
 
-# variant -> (quantization on load, float MoE implementation)
-VARIANTS: dict[str, tuple[str | None, str]] = {
-    "float": (None, "auto"),
-    "float_ragged_dot": (None, "ragged_dot"),
-    "w4a8_int8": ("w4a8_int8", "auto"),
-    "wna16": ("wna16", "auto"),
-    "mxint4": ("mxint4", "auto"),
+# variant -> (quantization on load, float MoE implementation, every linear int4 as well)
+VARIANTS: dict[str, tuple[str | None, str, bool]] = {
+    "float": (None, "auto", False),
+    "float_ragged_dot": (None, "ragged_dot", False),
+    "w4a8_int8": ("w4a8_int8", "auto", False),
+    "wna16": ("wna16", "auto", False),
+    "mxint4": ("mxint4", "auto", False),
+    # Attention, dense MLPs and the LM head int4 too (`quantize_linears`, `lm_head_quantization`).
+    "w4a8_int8_all": ("w4a8_int8", "auto", True),
+    "wna16_all": ("wna16", "auto", True),
 }
-DEFAULT_VARIANTS = {"cpu": "float,w4a8_int8", "gpu": "float_ragged_dot,wna16,mxint4"}
+DEFAULT_VARIANTS = {"cpu": "float,w4a8_int8,w4a8_int8_all",
+                    "gpu": "float_ragged_dot,wna16,mxint4,wna16_all"}
 
 
 # ------------------------------------------------------------------ the model
@@ -100,8 +111,10 @@ def force_float_impl(model: models.MoECausalLM, impl: str) -> str | None:
 def build_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace
                   ) -> tuple[models.MoECausalLM, str | None]:
   """(model, note): the same seed for every variant, so int4 variants quantize the float weights."""
-  quantization, impl = VARIANTS[name]
+  quantization, impl, all_linears = VARIANTS[name]
   kw: dict[str, Any] = dict(dtype=args.dtype, quantization=quantization, seed=args.seed)
+  if all_linears:
+    kw.update(quantize_linears=True, lm_head_quantization="int4")
   if impl != "auto" and _supports(models.from_config, "float_impl"):
     return models.from_config(cfg, float_impl=impl, **kw), None
   model = models.from_config(cfg, **kw)
@@ -110,14 +123,19 @@ def build_variant(name: str, cfg: dict[str, Any], args: argparse.Namespace
 
 
 def share_float_parts(source: models.MoECausalLM, target: models.MoECausalLM) -> None:
-  """Points `target`'s embedding, attention, norms and LM head at `source`'s modules. Every
-  variant draws them from the same seed, so this changes no value; it keeps one copy of them
-  (2.5 GB at vocab 151936 in float32) for all the variants."""
-  target.embed_tokens, target.norm, target.lm_head = (
-      source.embed_tokens, source.norm, source.lm_head)
+  """Points `target`'s embedding, norms and (where both keep them float) attention and LM head at
+  `source`'s modules. Every variant draws them from the same seed, so this changes no value; it
+  keeps one copy of them (2.5 GB at vocab 151936 in float32) for all the variants."""
+  float_linears = lambda m: not m.linear_backends() or set(m.linear_backends()) == {"float"}
+  same_linears = float_linears(source) and float_linears(target)
+  target.embed_tokens, target.norm = source.embed_tokens, source.norm
+  if same_linears:
+    target.lm_head = source.lm_head
   for src, dst in zip(source.layers, target.layers):
-    dst.input_layernorm, dst.self_attn, dst.post_attention_layernorm = (
-        src.input_layernorm, src.self_attn, src.post_attention_layernorm)
+    dst.input_layernorm, dst.post_attention_layernorm = (
+        src.input_layernorm, src.post_attention_layernorm)
+    if same_linears:
+      dst.self_attn = src.self_attn
 
 
 def decode_bytes(model: models.MoECausalLM, batch: int) -> dict[str, float]:
@@ -186,12 +204,25 @@ def _timed(model: models.MoECausalLM, floor: bool):
   return call
 
 
-def bench_batch(built: dict[str, models.MoECausalLM], batch: int, args: argparse.Namespace,
-                machine: str) -> list[dict[str, Any]]:
+def weight_bandwidth(platform_name: str) -> tuple[float, str]:
+  """(bytes/s, what it is) of the memory the weights stream from, measured now: the GPU's
+  device-to-device copy rate (bytes read plus written), or the CPU's DRAM read rate."""
+  if platform_name == "gpu":
+    x = jax.random.normal(jax.random.key(0), (1 << 27,), jnp.float32)  # 512 MiB
+    scale = jax.jit(lambda a: a * 1.0001)
+    sec, _ = _timing.median_time(lambda i: scale(x), warmup=2, min_repeats=10)
+    return 2 * x.nbytes / sec, "HBM copy"
+  read = _timing.read_bandwidth_gbps(1 << 30, _timing.usable_cores())
+  return read["best"] * 1e9, "DRAM read"
+
+
+def bench_batch(built: dict[str, models.MoECausalLM], batch: int, prompt_len: int,
+                args: argparse.Namespace, machine: str, bandwidth: float
+                ) -> list[dict[str, Any]]:
   """Interleaved repeats of every variant (and the no-MoE floor) at one batch size."""
   first = next(iter(built.values()))
   prompts = np.random.default_rng(args.seed).integers(
-      0, first.config.vocab_size, (batch, args.prompt_len), dtype=np.int32)
+      0, first.config.vocab_size, (batch, prompt_len), dtype=np.int32)
   calls = {name: _timed(model, False) for name, model in built.items()}
   if args.floor:
     calls[FLOOR] = _timed(first, True)
@@ -219,14 +250,16 @@ def bench_batch(built: dict[str, models.MoECausalLM], batch: int, args: argparse
       nbytes = {k: (0.0 if k == "experts" else v) for k, v in nbytes.items()}
       nbytes["total"] = nbytes["lm_head"] + nbytes["other"]
     moe_s = None if floor_step is None or name == FLOOR else max(0.0, step_s - floor_step)
+    roofline_step_s = nbytes["total"] / bandwidth
     rows.append({
-        "variant": name, "batch": batch, "prompt_len": args.prompt_len,
+        "variant": name, "batch": batch, "prompt_len": prompt_len,
         "decode_steps": args.decode_steps, "layers": model.config.num_layers,
         "dtype": str(model.dtype),
         "backends": {} if name == FLOOR else model.moe_backends(),
         "compile_s": compile_s[name],
-        "prefill_tok_s": batch * args.prompt_len / statistics.median(prefill),
-        "prefill_tok_s_best": batch * args.prompt_len / min(prefill),
+        "backends_linear": {} if name == FLOOR else model.linear_backends(),
+        "prefill_tok_s": batch * prompt_len / statistics.median(prefill),
+        "prefill_tok_s_best": batch * prompt_len / min(prefill),
         "decode_tok_s": batch * args.decode_steps / statistics.median(decode),
         "decode_tok_s_best": batch * args.decode_steps / min(decode),
         "decode_step_ms": 1e3 * step_s,
@@ -234,6 +267,9 @@ def bench_batch(built: dict[str, models.MoECausalLM], batch: int, args: argparse
         "moe_share": None if moe_s is None else moe_s / step_s,
         "decode_read_mb": {k: v / 1e6 for k, v in nbytes.items()},
         "decode_gb_s": nbytes["total"] / step_s / 1e9,
+        "weight_bandwidth_gb_s": bandwidth / 1e9,
+        "roofline_decode_tok_s": batch / roofline_step_s,
+        "roofline_share": roofline_step_s / step_s,
         "repeats": args.repeats, "machine": machine})
   return rows
 
@@ -245,18 +281,21 @@ def _fmt(value: float) -> str:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-  header = ["variant", "batch", "prefill tok/s", "decode tok/s (best)", "step ms",
-            "MoE ms/step (share)", "read MB/step (experts/head/other)", "GB/s", "machine"]
+  header = ["variant", "batch", "prompt", "prefill tok/s", "decode tok/s (best)", "step ms",
+            "MoE ms/step (share)", "read MB/step (experts/head/other)", "GB/s",
+            "roofline tok/s (share)", "machine"]
   table = []
   for r in rows:
     mb = r["decode_read_mb"]
     share = ("—" if r["moe_share"] is None
              else f"{_fmt(r['moe_ms_per_step'])} ({r['moe_share']:.0%})")
-    table.append([r["variant"], r["batch"], _fmt(r["prefill_tok_s"]),
+    table.append([r["variant"], r["batch"], r["prompt_len"], _fmt(r["prefill_tok_s"]),
                   f"{_fmt(r['decode_tok_s'])} ({_fmt(r['decode_tok_s_best'])})",
                   _fmt(r["decode_step_ms"]), share,
                   "/".join(_fmt(mb[k]) for k in ("experts", "lm_head", "other")),
-                  _fmt(r["decode_gb_s"]), r["machine"]])
+                  _fmt(r["decode_gb_s"]),
+                  f"{_fmt(r['roofline_decode_tok_s'])} ({r['roofline_share']:.0%})",
+                  r["machine"]])
   print(_timing.markdown_table(header, table))
 
 
@@ -266,9 +305,17 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def print_speedups(rows: list[dict[str, Any]], machine: str) -> None:
   """Each int4 variant over the float variant of its batch: end to end, the MoE blocks' time per
-  decode step, and the end-to-end ceiling (the float step over the no-MoE floor)."""
+  decode step, and the end-to-end ceiling (the float step over the no-MoE floor); each
+  every-linear-int4 variant over its experts-only one."""
   for batch in sorted({r["batch"] for r in rows}):
     at = {r["variant"]: r for r in rows if r["batch"] == batch}
+    for name, r in at.items():
+      experts_only = name.removesuffix("_all")
+      if name.endswith("_all") and experts_only in at:
+        print(f"batch {batch}: {name} vs {experts_only}: decode "
+              f"{_ratio(r['decode_tok_s'], at[experts_only]['decode_tok_s'])}, prefill "
+              f"{_ratio(r['prefill_tok_s'], at[experts_only]['prefill_tok_s'])}; roofline share "
+              f"{r['roofline_share']:.0%} vs {at[experts_only]['roofline_share']:.0%} [{machine}]")
     base = next((at[v] for v in ("float", "float_ragged_dot") if v in at), None)
     if base is None:
       continue
@@ -292,7 +339,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--layers", type=int, default=2, help="decoder layers (the full model has 48)")
   p.add_argument("--variants", default=None,
                  help=f"comma-separated, of {sorted(VARIANTS)} (default: {DEFAULT_VARIANTS})")
-  p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+  p.add_argument("--batch", default="1,16",
+                 help="comma-separated batch sizes, each optionally with its own prompt length "
+                      "as BATCH:PROMPT (e.g. 1:2048,64:128)")
   p.add_argument("--prompt-len", type=int, default=128)
   p.add_argument("--decode-steps", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3, help="timed generate calls per variant")
@@ -326,12 +375,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   unknown = [n for n in names if n not in VARIANTS]
   if unknown:
     raise SystemExit(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
-  batches = [int(b) for b in args.batch.split(",")]
+  batches = [(int(b.split(":")[0]), int(b.split(":")[1]) if ":" in b else args.prompt_len)
+             for b in args.batch.split(",")]
   cfg = qwen3_30b_a3b_config(args)
   print(f"machine: {machine}; jax {info['jax']} on {info['platform']} ({info['device']})")
   print(f"model: Qwen3-30B-A3B shapes, {args.layers} layers, hidden {args.hidden}, "
         f"{args.experts} experts top-{args.top_k} x {args.moe_intermediate}, vocab {args.vocab}, "
-        f"{args.dtype}; prompt {args.prompt_len}, {args.decode_steps} decode steps, median of "
+        f"{args.dtype}; {args.decode_steps} decode steps, median of "
         f"{args.repeats} interleaved repeats")
   built: dict[str, models.MoECausalLM] = {}
   for name in names:
@@ -347,9 +397,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       raise SystemExit(f"{name} runs on the jnp reference backend ({backends}): this jax_moeq has "
                        "no CUDA library (build it: scripts/dev_build.sh with JAX_MOEQ_CUDA=ON); "
                        "--allow-reference times it anyway")
+  bandwidth, what = weight_bandwidth(platform_name)
+  print(f"{what}: {bandwidth / 1e9:.0f} GB/s (the roofline's rate, measured in this run)")
   rows = []
-  for batch in batches:
-    rows += bench_batch(built, batch, args, machine)
+  for batch, prompt_len in batches:
+    rows += bench_batch(built, batch, prompt_len, args, machine, bandwidth)
   print_rows(rows)
   print_speedups(rows, machine)
   if args.json:

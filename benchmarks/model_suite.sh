@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# End-to-end model figures on a GPU machine: benchmarks/model_bench.py with the float block on
-# lax.ragged_dot, WNA16 and MxInt4 experts, batch 1 and 16, on a Qwen3-30B-A3B-shaped model.
+# End-to-end model figures on a GPU machine: benchmarks/model_bench.py on a Qwen3-30B-A3B-shaped
+# model; by default the float block on lax.ragged_dot, WNA16 and MxInt4 experts, and every linear
+# int4 (WNA16), batch 1 and 16. VARIANTS and BATCH (model_bench.py's --variants / --batch)
+# override, e.g. LAYERS=48 VARIANTS=wna16,wna16_all BATCH=1:2048,64:128.
 #   BUILD=1 builds the CUDA library into the tree first (jax_moeq/lib/libjax_moeq_cuda.so);
 #   BUILD=auto (default) does so when the tree holds no built library and the installed jax_moeq
 #   has none either; BUILD=0 never does (model_bench.py refuses int4 variants that would fall
@@ -39,7 +41,8 @@ fi
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu \
   --format=csv >"$OUT/nvidia_smi.csv" 2>&1 || true
-"$PY" benchmarks/model_bench.py --variants float_ragged_dot,wna16,mxint4 --batch 1,16 \
+"$PY" benchmarks/model_bench.py --variants "${VARIANTS:-float_ragged_dot,wna16,mxint4,wna16_all}" \
+  --batch "${BATCH:-1,16}" \
   --layers "${LAYERS:-2}" --json "$OUT/model_bench.json" ${BENCH_ARGS:-} \
   2>"$OUT/model_bench.err" | tee "$OUT/model_bench.txt"
 status=${PIPESTATUS[0]}
