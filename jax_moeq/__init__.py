@@ -43,5 +43,10 @@ from jax_moeq.ops.mxint4_gpu import (
 from jax_moeq.oracle.mxint4 import MxInt4MoeBackend, select_mxint4_moe_backend
 from jax_moeq.experts.mxint4 import HopperMxInt4Experts, ReferenceExpertsMxInt4
 
+# Dense int4 linears: canonical weights, the linear oracle, the Flax layer.
+from jax_moeq.linears import Int4LinearWeights, concat_linears, quantize_linear
+from jax_moeq.oracle.linear import LinearConfig, select_linear_backend
+
 # Flax blocks, checkpoint loaders/writers, sharding. safetensors is imported lazily.
-from jax_moeq import loaders, nn, sharding
+from jax_moeq import linears, loaders, nn, sharding
+from jax_moeq.nn import QuantizedLinear

@@ -1,11 +1,13 @@
 """Command line: generate text with a Hugging Face MoE checkpoint on jax_moeq's MoE kernels.
 
     python -m jax_moeq.generate --model PATH --prompt "Hello" --max-new-tokens 32 \
-        [--quantization w4a8_int8] [--backend auto|cpu_int4|reference|marlin|mxint4_gpu]
+        [--quantization w4a8_int8] [--backend auto|cpu_int4|reference|marlin|mxint4_gpu] \
+        [--quantize-linears] [--lm-head-quantization int4] [--attention-dtype bfloat16]
 
 Prompts are tokenized with the checkpoint's `tokenizer.json` (the `tokenizers` package) when
 present; `--prompt-ids 1,2,3` passes token ids directly. Prints the text (or the ids), the
-backend chosen per scheme, the time to first token and the decode rate.
+backend chosen per scheme for the experts and for the dense linears, the time to first token and
+the decode rate.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--allow-activation-quantization", action="store_true",
                  help="let weight-only int4 experts run on the CPU W4A8 kernel")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--quantize-linears", action="store_true",
+                 help="also quantize float attention / dense MLP linears to int4 while loading "
+                      "(needs --quantization on a float checkpoint)")
+  p.add_argument("--lm-head-quantization", default=None, choices=("int4",),
+                 help="int4 LM head (W4A8 on a CPU, WNA16 on a GPU)")
+  p.add_argument("--attention-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                 help="KV cache and attention math (default: bfloat16 when a linear is int4)")
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
@@ -84,7 +93,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   model = models.from_pretrained(model_dir, dtype=args.dtype, quantization=args.quantization,
                                  moe_backend=args.backend, group_size=args.group_size,
                                  allow_activation_quantization=args.allow_activation_quantization
-                                 or None, show_progress=not args.quiet)
+                                 or None, show_progress=not args.quiet,
+                                 quantize_linears=args.quantize_linears,
+                                 lm_head_quantization=args.lm_head_quantization,
+                                 attention_dtype=args.attention_dtype)
   out = models.generate(model, [ids] * args.batch, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p,
                         rng=jax.random.key(args.seed))
@@ -98,6 +110,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{model.dtype}, on {jax.default_backend()}")
   for scheme, backend in model.moe_backends().items():
     print(f"MoE backend ({scheme}): {backend}")
+  for scheme, backend in model.linear_backends().items():
+    print(f"linear backend ({scheme}): {backend}")
+  print(f"attention dtype: {model.attention_dtype}")
   print(f"prompt: {len(ids)} tokens; generated {counts.tolist()} tokens")
   if text is not None:
     print(f"text: {text}")
@@ -106,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{1e3 * out.prefill_seconds:.1f} ms; decode: {decode_rate:.1f} tok/s "
         f"(batch {args.batch})")
   return {"ids": new, "text": text, "tokens": tokens, "decode_tok_s": decode_rate,
-          "ttft_s": out.prefill_seconds, "backends": model.moe_backends()}
+          "ttft_s": out.prefill_seconds, "backends": model.moe_backends(),
+          "linear_backends": model.linear_backends()}
 
 
 if __name__ == "__main__":

@@ -150,7 +150,10 @@ def _ct_checkpoint(path, group: int, activations: bool, seed: int):
 @pytest.mark.parametrize("group", [32, 128])
 def test_compressed_tensors_w4a16_matches_transformers_dequantized(tmp_path, group):
   hf, dequantized = _ct_checkpoint(tmp_path / "ckpt", group, activations=False, seed=group)
-  model = models.from_pretrained(tmp_path / "ckpt", dtype=jnp.float32, show_progress=False)
+  # The attention projections stay int4 (WNA16); attention math in float32, as transformers'
+  # (the default for int4 linears is bfloat16).
+  model = models.from_pretrained(tmp_path / "ckpt", dtype=jnp.float32, show_progress=False,
+                                 attention_dtype=jnp.float32)
   # W4A16 on the CPU: no weight-only int4 kernel, so the jnp reference (the exact dequantized
   # arithmetic in float32).
   assert model.moe_backends() == {"wna16": "reference" if jax.default_backend() == "cpu"

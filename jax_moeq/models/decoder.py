@@ -7,6 +7,12 @@ RMSNorm: `w * (x * rsqrt(mean(x^2) + eps))` computed in float32 and cast back; a
 causal (optionally a sliding window), softmax in float32, RoPE in the rotate-half form; the MLP is
 a `jax_moeq.nn.MoE` / `QuantizedMoE` block (router included) or a dense SiLU MLP. SPEC §11.
 
+Linear layers (attention projections, dense MLPs, LM head) are float `Linear`s or int4
+`jax_moeq.nn.QuantizedLinear`s (SPEC §12); q/k/v (and a dense MLP's gate/up) may be one fused
+`qkv_proj` (`gate_up_proj`) whose output is split. The attention math (q/k/v after projection,
+scores with float32 accumulation, probabilities, the value product) and the KV cache run in the
+model's `attention_dtype`.
+
 Two entry points: `model(input_ids)` is the plain full-sequence forward (logits [B, S, V]);
 `model.forward(input_ids, cache, write_index, pad)` reads and writes a KV cache for generation.
 A cache is a pytree `KVCache(k, v)` of per-layer [B, L, kv_heads, head_dim] arrays; slot j of row b
@@ -62,6 +68,18 @@ class Linear(nnx.Module):
     return y if self.bias is None else y + self.bias[...]
 
 
+def make_linear(value: Any, dtype) -> nnx.Module:
+  """A module given as is (e.g. `QuantizedLinear`), or a float `Linear` of (weight, bias)."""
+  if isinstance(value, nnx.Module):
+    return value
+  return Linear(*value, dtype)
+
+
+def _split(y: Array, sizes: tuple[int, ...]) -> list[Array]:
+  offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
+  return jnp.split(y, offsets, axis=-1)
+
+
 def rope(x: Array, positions: Array, theta: float) -> Array:
   """Rotary embedding of x [B, S, heads, d] at integer positions [B, S] (rotate-half form)."""
   d = x.shape[-1]
@@ -77,15 +95,21 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
 class Attention(nnx.Module):
   """GQA self-attention; q/k norms per head (Qwen3) or over the whole projection (OLMoE)."""
 
-  def __init__(self, cfg: DecoderConfig, weights: dict[str, Any], dtype):
+  def __init__(self, cfg: DecoderConfig, weights: dict[str, Any], dtype, attention_dtype=None):
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.rope_theta = cfg.rope_theta
     self.clip_qkv = cfg.clip_qkv
     self.qk_norm = cfg.qk_norm
-    self.q_proj = Linear(*weights["q_proj"], dtype)
-    self.k_proj = Linear(*weights["k_proj"], dtype)
-    self.v_proj = Linear(*weights["v_proj"], dtype)
-    self.o_proj = Linear(*weights["o_proj"], dtype)
+    self.attention_dtype = jnp.dtype(dtype if attention_dtype is None else attention_dtype)
+    if "qkv_proj" in weights:  # q, k, v rows in one GEMM
+      self.qkv_proj = make_linear(weights["qkv_proj"], dtype)
+      self.q_proj = self.k_proj = self.v_proj = None
+    else:
+      self.qkv_proj = None
+      self.q_proj = make_linear(weights["q_proj"], dtype)
+      self.k_proj = make_linear(weights["k_proj"], dtype)
+      self.v_proj = make_linear(weights["v_proj"], dtype)
+    self.o_proj = make_linear(weights["o_proj"], dtype)
     if cfg.qk_norm == "none":
       self.q_norm = self.k_norm = None
     else:
@@ -96,7 +120,10 @@ class Attention(nnx.Module):
                write_index: Array | int) -> tuple[Array, tuple[Array, Array] | None]:
     b, s, _ = x.shape
     nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    if self.qkv_proj is not None:
+      q, k, v = _split(self.qkv_proj(x), (nh * d, nkv * d, nkv * d))
+    else:
+      q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if self.qk_norm == "whole":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.clip_qkv is not None:
@@ -104,6 +131,8 @@ class Attention(nnx.Module):
     q, k, v = q.reshape(b, s, nh, d), k.reshape(b, s, nkv, d), v.reshape(b, s, nkv, d)
     if self.qk_norm == "per_head":
       q, k = self.q_norm(q), self.k_norm(k)
+    adt = self.attention_dtype
+    q, k, v = q.astype(adt), k.astype(adt), v.astype(adt)
     q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
     if kv is not None:
       zero = jnp.zeros((), jnp.int32)
@@ -115,27 +144,38 @@ class Attention(nnx.Module):
     scores = jnp.einsum("bsgrd,blgd->bgrsl", q, k.astype(q.dtype),
                         preferred_element_type=jnp.float32) * (d ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bgrsl,blgd->bsgrd", probs, v.astype(x.dtype))
-    return self.o_proj(out.reshape(b, s, nh * d)), kv
+    probs = jax.nn.softmax(scores, axis=-1).astype(adt)
+    out = jnp.einsum("bgrsl,blgd->bsgrd", probs, v.astype(adt))
+    return self.o_proj(out.reshape(b, s, nh * d).astype(x.dtype)), kv
 
 
 class DenseMLP(nnx.Module):
   """down(silu(gate(x)) * up(x)): the non-MoE layers of Qwen3-MoE (`mlp_only_layers`)."""
 
   def __init__(self, weights: dict[str, Any], dtype):
-    self.gate_proj = Linear(*weights["gate_proj"], dtype)
-    self.up_proj = Linear(*weights["up_proj"], dtype)
-    self.down_proj = Linear(*weights["down_proj"], dtype)
+    if "gate_up_proj" in weights:  # gate rows, then up rows, in one GEMM
+      self.gate_up_proj = make_linear(weights["gate_up_proj"], dtype)
+      self.gate_proj = self.up_proj = None
+    else:
+      self.gate_up_proj = None
+      self.gate_proj = make_linear(weights["gate_proj"], dtype)
+      self.up_proj = make_linear(weights["up_proj"], dtype)
+    self.down_proj = make_linear(weights["down_proj"], dtype)
 
   def __call__(self, x: Array) -> Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    if self.gate_up_proj is not None:
+      y = self.gate_up_proj(x)
+      gate, up = _split(y, (y.shape[-1] // 2, y.shape[-1] // 2))
+    else:
+      gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: DecoderConfig, weights: dict[str, Any], mlp: nnx.Module, dtype):
+  def __init__(self, cfg: DecoderConfig, weights: dict[str, Any], mlp: nnx.Module, dtype,
+               attention_dtype=None):
     self.input_layernorm = RMSNorm(weights["input_layernorm"], cfg.rms_norm_eps, dtype)
-    self.self_attn = Attention(cfg, weights, dtype)
+    self.self_attn = Attention(cfg, weights, dtype, attention_dtype)
     self.post_attention_layernorm = RMSNorm(weights["post_attention_layernorm"],
                                             cfg.rms_norm_eps, dtype)
     self.mlp = mlp
@@ -162,19 +202,26 @@ class MoECausalLM(nnx.Module):
   """A decoder-only MoE language model (Qwen3-MoE, Mixtral, OLMoE): see the module docstring.
 
   Attributes: `config` (`DecoderConfig`), `dtype` (activations and float weights),
-  `generation_config` (dict from `generation_config.json`), `quantization` (how the experts were
-  loaded: the checkpoint's scheme, a scheme quantized on load, or None for float).
+  `attention_dtype` (attention math and KV cache), `generation_config` (dict from
+  `generation_config.json`), `quantization` (how the experts were loaded: the checkpoint's
+  scheme, a scheme quantized on load, or None for float). `lm_head` is a float [V, H] weight,
+  an int4 `QuantizedLinear`, or None (tied to the embedding).
   """
 
   def __init__(self, cfg: DecoderConfig, embed: Array, layers: list[DecoderLayer], norm: Array,
-               lm_head: Array | None, dtype, *, generation_config: dict | None = None,
-               quantization: str | None = None):
+               lm_head: Array | nnx.Module | None, dtype, *,
+               generation_config: dict | None = None, quantization: str | None = None,
+               attention_dtype=None):
     self.config = cfg
     self.dtype = jnp.dtype(dtype)
+    self.attention_dtype = jnp.dtype(dtype if attention_dtype is None else attention_dtype)
     self.embed_tokens = Weight(jnp.asarray(embed, dtype))
     self.layers = nnx.List(layers)
     self.norm = RMSNorm(norm, cfg.rms_norm_eps, dtype)
-    self.lm_head = None if lm_head is None else Weight(jnp.asarray(lm_head, dtype))
+    if lm_head is None or isinstance(lm_head, nnx.Module):
+      self.lm_head = lm_head
+    else:
+      self.lm_head = Weight(jnp.asarray(lm_head, dtype))
     # Kept hashable: the attributes of an NNX module are part of its (static) graph definition.
     self._generation_items = tuple(sorted(
         (k, _frozen(v)) for k, v in (generation_config or {}).items()))
@@ -196,15 +243,44 @@ class MoECausalLM(nnx.Module):
         out["float"] = f"xla ({mlp.float_impl})"
     return out
 
+  def linear_backends(self) -> dict[str, str]:
+    """{scheme: backend} of the int4 linears (attention, dense MLPs, LM head); "float": "xla"
+    when some linears are float. Router gates are not counted (always float)."""
+    from jax_moeq.nn.linear import QuantizedLinear
+    out: dict[str, str] = {}
+    for module in self._linears():
+      if isinstance(module, QuantizedLinear):
+        out[module.scheme] = module.backend
+      else:
+        out["float"] = "xla"
+    return out
+
+  def _linears(self) -> list[nnx.Module | Weight]:
+    found: list[Any] = []
+    for layer in self.layers:
+      attn = layer.self_attn
+      found += [m for m in (attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+                if m is not None]
+      if isinstance(layer.mlp, DenseMLP):
+        found += [m for m in (layer.mlp.gate_up_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                              layer.mlp.down_proj) if m is not None]
+    found.append(self.embed_tokens if self.lm_head is None else self.lm_head)
+    return found
+
   def init_cache(self, batch: int, length: int) -> KVCache:
+    """An empty cache in `attention_dtype`."""
     cfg = self.config
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers))
-    return KVCache(zeros, tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)))
+    dt = self.attention_dtype
+    zeros = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
+    return KVCache(zeros, tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers)))
 
   def _logits(self, x: Array) -> Array:
+    h = self.norm(x)
+    if isinstance(self.lm_head, nnx.Module):  # int4 head: output in the model's dtype
+      return self.lm_head(h).astype(jnp.float32)
     head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
-    return jnp.einsum("bsh,vh->bsv", self.norm(x), head, preferred_element_type=jnp.float32)
+    return jnp.einsum("bsh,vh->bsv", h, head, preferred_element_type=jnp.float32)
 
   def _check_ids(self, input_ids: Array) -> Array:
     input_ids = jnp.asarray(input_ids)

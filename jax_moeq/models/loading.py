@@ -2,9 +2,13 @@
 
 The route from weights to kernel is the blocks' own: each layer's experts become a
 `jax_moeq.nn.QuantizedMoE` (int4 checkpoints, or float experts quantized while loading; the
-scheme's oracle picks the backend for the platform) or a float `jax_moeq.nn.MoE`. Everything
-else (embeddings, attention, norms, dense MLPs, LM head) is float in `dtype`; linear layers that a
-checkpoint quantized are dequantized on load. Only one layer's float experts are held at a time.
+scheme's oracle picks the backend for the platform) or a float `jax_moeq.nn.MoE`. Dense linears
+(attention q/k/v/o, dense MLPs, LM head) become `jax_moeq.nn.QuantizedLinear`s through the linear
+oracle when the checkpoint stores them int4 (kept as stored, not dequantized), when
+`quantize_linears=True` quantizes float ones on load, or (LM head) with
+`lm_head_quantization="int4"`; otherwise they are float in `dtype`. Router gates, embeddings and
+norms stay float. q/k/v (a dense MLP's gate/up) that are int4 alike run as one fused GEMM. Only
+one layer's float experts are held at a time.
 
 `from_config` builds the same model with random weights (benchmarks, examples).
 """
@@ -36,7 +40,11 @@ ARCHITECTURES: dict[str, ConfigParser] = {
     olmoe.MODEL_TYPE: olmoe.config_from_json,
 }
 QUANTIZATIONS = ("w4a8_int8", "wna16", "mxint4")
+LM_HEAD_QUANTIZATIONS = (None, "int4")
 _GROUP_SIZES = (128, 64, 32)
+# The dense linears' scheme that goes with each experts' scheme (mxint4 linears are WNA16).
+_LINEAR_SCHEMES = {"w4a8_int8": "w4a8_int8", "wna16": "wna16", "mxint4": "wna16"}
+_ATTENTION_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ------------------------------------------------------------------ config
@@ -138,6 +146,35 @@ class _CheckpointSource:
       _check_float(b, self._where(f"{prefix}.bias"))
     return w, b
 
+  def projection(self, prefix: str, out: int, inp: int, bias: bool | None = None):
+    """A dense linear as stored: float `(weight [out, in], bias)`, or `Int4LinearWeights` when
+    the checkpoint stores it int4 (shapes and group size checked against config.json)."""
+    from jax_moeq.linears import Int4LinearWeights
+    if f"{prefix}.weight" in self.ckpt or not self.qcfg.quantized:
+      return self.linear(prefix, out, inp, bias)
+    value, b = self._loaders.read_projection(self.ckpt, prefix, self.qcfg)
+    if not isinstance(value, self._loaders.Int4Projection):
+      return self.linear(prefix, out, inp, bias)
+    stored = (f"{prefix}.qweight" if f"{prefix}.qweight" in self.ckpt
+              else f"{prefix}.weight_packed")
+    if self.qcfg.is_ignored(prefix):
+      raise self._loaders.CheckpointFormatError(
+          f"{prefix!r} is int4 in the checkpoint, but config.json's quantization_config.ignore "
+          "lists it as unquantized", path=self.path, tensor=stored)
+    if value.q.ndim != 2 or tuple(value.q.shape) != (out, inp):
+      raise ValueError(f"{self._where(stored)} holds an int4 weight of shape "
+                       f"{list(value.q.shape)} [out, in], expected {[out, inp]} from config.json")
+    g = value.group_size
+    if g != -1 and inp % g:
+      raise ValueError(f"{self._where(stored)}: group_size={g} does not divide in_features={inp}")
+    if b is not None:
+      _check_shape(b, (out,), self._where(f"{prefix}.bias"))
+      _check_float(b, self._where(f"{prefix}.bias"))
+      b = jnp.asarray(np.asarray(b, np.float32))
+    return Int4LinearWeights(jnp.asarray(value.q, jnp.int8), jnp.asarray(value.scale), g,
+                             g_idx=None if value.g_idx is None
+                             else jnp.asarray(value.g_idx, jnp.int32), bias=b)
+
   def moe_layer(self, index: int, experts: tuple[int, ...] | None = None):
     """Layer `index`'s experts (only `experts`, when given: no other expert's bytes are read)."""
     cfg = self.cfg
@@ -193,6 +230,9 @@ class _RandomSource:
   def linear(self, prefix: str, out: int, inp: int, bias: bool | None = None):
     return self._normal((out, inp)), (self._normal((out,)) if bias else None)
 
+  def projection(self, prefix: str, out: int, inp: int, bias: bool | None = None):
+    return self.linear(prefix, out, inp, bias)
+
   def moe_layer(self, index: int):
     from jax_moeq.loaders import MoELayerTensors
     cfg = self.cfg
@@ -220,10 +260,10 @@ def _attention_weights(source, cfg: config_lib.DecoderConfig, index: int) -> dic
   out = {
       "input_layernorm": source.tensor(f"{p}.input_layernorm.weight", (h,)),
       "post_attention_layernorm": source.tensor(f"{p}.post_attention_layernorm.weight", (h,)),
-      "q_proj": source.linear(f"{p}.self_attn.q_proj", nh * d, h, bias),
-      "k_proj": source.linear(f"{p}.self_attn.k_proj", nkv * d, h, bias),
-      "v_proj": source.linear(f"{p}.self_attn.v_proj", nkv * d, h, bias),
-      "o_proj": source.linear(f"{p}.self_attn.o_proj", h, nh * d, bias),
+      "q_proj": source.projection(f"{p}.self_attn.q_proj", nh * d, h, bias),
+      "k_proj": source.projection(f"{p}.self_attn.k_proj", nkv * d, h, bias),
+      "v_proj": source.projection(f"{p}.self_attn.v_proj", nkv * d, h, bias),
+      "o_proj": source.projection(f"{p}.self_attn.o_proj", h, nh * d, bias),
   }
   if cfg.qk_norm == "per_head":
     out["q_norm"] = source.tensor(f"{p}.self_attn.q_norm.weight", (d,))
@@ -234,12 +274,98 @@ def _attention_weights(source, cfg: config_lib.DecoderConfig, index: int) -> dic
   return out
 
 
-def _dense_mlp(source, cfg: config_lib.DecoderConfig, index: int, dtype) -> decoder.DenseMLP:
+def _dense_mlp(source, cfg: config_lib.DecoderConfig, index: int, dtype,
+               linears: "_LinearBuilder") -> decoder.DenseMLP:
   p = f"model.layers.{index}.mlp"
   h, i = cfg.hidden_size, cfg.intermediate_size
-  return decoder.DenseMLP({"gate_proj": source.linear(f"{p}.gate_proj", i, h),
-                           "up_proj": source.linear(f"{p}.up_proj", i, h),
-                           "down_proj": source.linear(f"{p}.down_proj", h, i)}, dtype)
+  weights = {"gate_proj": source.projection(f"{p}.gate_proj", i, h),
+             "up_proj": source.projection(f"{p}.up_proj", i, h),
+             "down_proj": source.projection(f"{p}.down_proj", h, i)}
+  return decoder.DenseMLP(linears.modules(weights, fuse={"gate_up_proj": ("gate_proj",
+                                                                          "up_proj")}), dtype)
+
+
+# ------------------------------------------------------------------ dense linears
+_quantize_linear_jit = jax.jit(lambda w, g: _quantize_int4(w, g), static_argnums=1)
+
+
+def _quantize_int4(w, group_size: int):
+  from jax_moeq.quant.int4 import quantize_int4
+  return quantize_int4(w, group_size)
+
+
+def linear_group_size(in_features: int, preferred: int | None = None) -> int:
+  """`preferred` (the experts' group size) when it divides `in_features`, else the largest of
+  128 / 64 / 32 that does, else -1 (channel-wise)."""
+  if preferred is not None and preferred != -1 and in_features % preferred == 0:
+    return preferred
+  for g in _GROUP_SIZES:
+    if in_features % g == 0:
+      return g
+  return -1
+
+
+class _LinearBuilder:
+  """Turns a layer's projections (float `(weight, bias)` or checkpoint `Int4LinearWeights`) into
+  modules: int4 ones (stored, or float quantized when `quantize_to` is set) become
+  `QuantizedLinear`s, fused when their group size and act-order agree; float ones stay
+  `(weight, bias)` for `decoder.Linear`."""
+
+  def __init__(self, dtype, *, stored_scheme: str | None, quantize_to: str | None,
+               group_size: int | None, allow_activation_quantization: bool,
+               platform: str | None = None):
+    self.dtype = dtype
+    self.stored_scheme = stored_scheme
+    self.quantize_to = quantize_to
+    self.group_size = group_size
+    self.allow = allow_activation_quantization
+    self.platform = platform
+    self.any_int4 = False
+
+  def _int4(self, value) -> tuple[str, Any] | None:
+    """(scheme, Int4LinearWeights) of a projection that runs int4, or None (float)."""
+    from jax_moeq.linears import Int4LinearWeights
+    if isinstance(value, Int4LinearWeights):
+      return self.stored_scheme, value
+    if self.quantize_to is None:
+      return None
+    w, b = value
+    w = jnp.asarray(w, jnp.float32)
+    g = linear_group_size(w.shape[1], self.group_size)
+    q, scale = _quantize_linear_jit(w, g)
+    bias = None if b is None else jnp.asarray(b, jnp.float32)
+    return self.quantize_to, Int4LinearWeights(q, scale, g, bias=bias)
+
+  def module(self, scheme: str, weights):
+    from jax_moeq.nn.linear import QuantizedLinear
+    self.any_int4 = True
+    return QuantizedLinear(weights.in_features, weights.out_features, scheme=scheme,
+                           weights=weights, dtype=self.dtype,
+                           allow_activation_quantization=self.allow, platform=self.platform)
+
+  def modules(self, values: dict[str, Any], fuse: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """`values` with int4 projections as modules; the `fuse` groups (fused name -> parts) that
+    are all int4 of one scheme and compatible become one module under the fused name."""
+    from jax_moeq.linears import concat_linears
+    out = dict(values)
+    int4 = {name: self._int4(value) for name, value in values.items()}
+    for fused, parts in fuse.items():
+      found = [int4[p] for p in parts]
+      if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+        continue
+      try:
+        weights = concat_linears([f[1] for f in found])
+      except ValueError as e:
+        logger.debug("not fusing %s: %s", fused, e)
+        continue
+      for p in parts:
+        del out[p]
+        int4[p] = None
+      out[fused] = self.module(found[0][0], weights)
+    for name, found in int4.items():
+      if found is not None:
+        out[name] = self.module(*found)
+    return out
 
 
 _quantize_experts = jax.jit(lambda w13, w2, g: _quantize(w13, w2, g), static_argnums=2)
@@ -300,21 +426,87 @@ def _plan_quantization(qcfg, cfg: config_lib.DecoderConfig, quantization: str | 
   return None, quantization, g, quantization == "w4a8_int8"
 
 
+def _check_linear_options(quantize_linears: bool, lm_head_quantization: str | None,
+                          attention_dtype) -> jnp.dtype | None:
+  """ValueErrors for the linears' keywords; the attention dtype asked for (None: default)."""
+  if not isinstance(quantize_linears, (bool, np.bool_)):
+    raise TypeError(f"quantize_linears must be a bool, got {type(quantize_linears).__name__}")
+  if lm_head_quantization not in LM_HEAD_QUANTIZATIONS:
+    extra = (" (an int8 LM head is not built)" if str(lm_head_quantization).lower() == "int8"
+             else "")
+    raise ValueError(f"lm_head_quantization={lm_head_quantization!r} is not one of "
+                     f"{LM_HEAD_QUANTIZATIONS}{extra}")
+  if attention_dtype is None:
+    return None
+  try:
+    dt = jnp.dtype(attention_dtype)
+  except TypeError:
+    dt = None
+  if dt is None or dt.name not in _ATTENTION_DTYPES:
+    raise ValueError(f"attention_dtype={attention_dtype!r} is not one of {_ATTENTION_DTYPES} "
+                     "(or None: bfloat16 when a linear is int4, else the model's dtype)")
+  return dt
+
+
+def _linear_scheme(qcfg, quantization: str | None, quantize_linears: bool) -> tuple[
+    str | None, str | None]:
+  """(scheme of linears a checkpoint stores int4, scheme float linears are quantized to)."""
+  stored = _LINEAR_SCHEMES.get(qcfg.scheme) if qcfg.quantized else None
+  if not quantize_linears:
+    return stored, None
+  if quantization is not None:
+    return stored, _LINEAR_SCHEMES[quantization]
+  if stored is not None:
+    return stored, stored
+  raise ValueError("quantize_linears=True needs quantization='w4a8_int8' | 'wna16' | 'mxint4' "
+                   "for a float checkpoint: the linears' scheme follows the experts' "
+                   "(w4a8_int8 -> w4a8_int8, wna16 / mxint4 -> wna16)")
+
+
+def _lm_head(source, cfg: config_lib.DecoderConfig, embed, dtype, linears: _LinearBuilder,
+             lm_head_quantization: str | None):
+  """The LM head: None (tied, float), a float [V, H] weight, or a `QuantizedLinear` (stored
+  int4, or quantized with `lm_head_quantization="int4"`: W4A8 on a CPU, WNA16 elsewhere)."""
+  from jax_moeq.linears import Int4LinearWeights
+  from jax_moeq.oracle.base import current_platform
+  h, v = cfg.hidden_size, cfg.vocab_size
+  tied = cfg.tie_word_embeddings and not source.has("lm_head.weight") and not (
+      hasattr(source, "ckpt") and any(f"lm_head.{s}" in source.ckpt
+                                      for s in ("weight_packed", "qweight")))
+  value = (np.asarray(embed), None) if tied else source.projection("lm_head", v, h)
+  if isinstance(value, Int4LinearWeights):
+    return linears.module(linears.stored_scheme, value)
+  if lm_head_quantization != "int4":
+    return None if tied else value[0]
+  platform = linears.platform or current_platform()
+  scheme = "w4a8_int8" if platform == "cpu" else "wna16"
+  g = linear_group_size(h)
+  q, scale = _quantize_linear_jit(jnp.asarray(value[0], jnp.float32), g)
+  return linears.module(scheme, Int4LinearWeights(q, scale, g))
+
+
 def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: str | None = None,
                 group_size: int | None = None, moe_backend: str = "auto", qcfg=None,
                 allow_activation_quantization: bool | None = None, float_impl: str = "auto",
                 generation_config: dict | None = None, show_progress: bool = True,
-                shard: sharded_lib.ShardPlan | None = None) -> decoder.MoECausalLM:
+                shard: sharded_lib.ShardPlan | None = None, quantize_linears: bool = False,
+                lm_head_quantization: str | None = None,
+                attention_dtype=None) -> decoder.MoECausalLM:
   """Builds the model layer by layer from a tensor source (checkpoint or random); with `shard`,
-  only this process's experts of each MoE layer are read, and the model is placed on its mesh."""
+  only this process's experts of each MoE layer are read, and the model is placed on its mesh.
+  `quantize_linears`, `lm_head_quantization`, `attention_dtype`: see `from_pretrained`."""
   from jax_moeq.loaders import CheckpointQuantConfig, Progress
   qcfg = qcfg if qcfg is not None else CheckpointQuantConfig()
+  attn_dt = _check_linear_options(quantize_linears, lm_head_quantization, attention_dtype)
   scheme, quantize_to, group_size, allow = _plan_quantization(qcfg, cfg, quantization,
                                                               group_size)
+  stored_linears, linears_to = _linear_scheme(qcfg, quantization, bool(quantize_linears))
   if allow_activation_quantization is not None:
     allow = allow or allow_activation_quantization
   if shard is not None:
     sharded_lib.check_w4a8(scheme, quantize_to, allow)
+  linears = _LinearBuilder(dtype, stored_scheme=stored_linears, quantize_to=linears_to,
+                           group_size=group_size, allow_activation_quantization=allow)
   h, v = cfg.hidden_size, cfg.vocab_size
   embed = source.tensor("model.embed_tokens.weight", (v, h))
   layers = []
@@ -322,6 +514,9 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
   with Progress(cfg.num_layers, desc, enabled=show_progress) as bar:
     for index in range(cfg.num_layers):
       weights = _attention_weights(source, cfg, index)
+      projections = {k: weights.pop(k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")}
+      weights.update(linears.modules(projections,
+                                     fuse={"qkv_proj": ("q_proj", "k_proj", "v_proj")}))
       if cfg.sparse_layers[index] and shard is not None:
         mlp = sharded_lib.sharded_moe_block(
             source.moe_layer(index, shard.experts(cfg.num_experts)), cfg, dtype, shard,
@@ -331,16 +526,20 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
                          quantize_to=quantize_to, group_size=group_size, moe_backend=moe_backend,
                          allow_activation_quantization=allow, float_impl=float_impl)
       else:
-        mlp = _dense_mlp(source, cfg, index, dtype)
+        mlp = _dense_mlp(source, cfg, index, dtype, linears)
       layers.append(decoder.DecoderLayer(cfg, weights, mlp, dtype))
       bar.update(note=f"layer {index}")
   norm = source.tensor("model.norm.weight", (h,))
-  lm_head = None
-  if not cfg.tie_word_embeddings or source.has("lm_head.weight"):
-    lm_head = source.linear("lm_head", v, h)[0]
+  lm_head = _lm_head(source, cfg, embed, dtype, linears, lm_head_quantization)
+  # The whole-int4 path runs attention in bf16; float models keep their dtype (and so match
+  # transformers in float32).
+  if attn_dt is None:
+    attn_dt = jnp.dtype(jnp.bfloat16) if linears.any_int4 else jnp.dtype(dtype)
+  for layer in layers:
+    layer.self_attn.attention_dtype = attn_dt
   model = decoder.MoECausalLM(cfg, embed, layers, norm, lm_head, dtype,
                               generation_config=generation_config,
-                              quantization=quantize_to or scheme)
+                              quantization=quantize_to or scheme, attention_dtype=attn_dt)
   if shard is not None:
     sharded_lib.replicate_on_mesh(model, shard.mesh)
   return model
@@ -351,7 +550,9 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
                     allow_activation_quantization: bool | None = None, float_impl: str = "auto",
                     show_progress: bool = True, mesh=None, expert_axis: str | None = "ep",
                     tensor_axis: str | None = None, dispatch: str = "replicated",
-                    capacity_factor: float | None = 2.0) -> decoder.MoECausalLM:
+                    capacity_factor: float | None = 2.0, quantize_linears: bool = False,
+                    lm_head_quantization: str | None = None,
+                    attention_dtype=None) -> decoder.MoECausalLM:
   """Loads a Hugging Face MoE checkpoint directory (qwen3_moe, mixtral, olmoe) as an NNX model.
 
   Args:
@@ -383,6 +584,19 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
     expert_axis, tensor_axis: mesh axis names for EP and TP (None: not split that way).
     dispatch: "replicated" or "all_to_all" token dispatch (`jax_moeq.sharding.w4a8_moe_sharded`).
     capacity_factor: the dispatch's capacity (`w4a8_moe_sharded`).
+    quantize_linears: also quantize float attention q/k/v/o and dense-MLP linears on load
+      (round to nearest, SPEC §2) to the linear scheme of `quantization` (w4a8_int8 ->
+      w4a8_int8; wna16 / mxint4 -> wna16), with the experts' group size when it divides the
+      linear's input, else the largest of 128 / 64 / 32 that does, else channel-wise. Needs
+      `quantization` on a float checkpoint. Linears an int4 checkpoint stores int4 run int4
+      whatever this says (on the checkpoint's scheme: "wna16" for weight-only, "w4a8_int8" for
+      W4A8-int; weight-only ones on the CPU W4A8 kernel when activation quantization is
+      allowed, as the experts); those its `ignore` list names stay float; routers always do.
+    lm_head_quantization: None (float head) or "int4" (W4A8 on a CPU, WNA16 elsewhere; group
+      128 or the largest dividing H; tied embeddings: a quantized copy, the embedding table
+      stays float).
+    attention_dtype: dtype of the KV cache and the attention math ("float32", "bfloat16",
+      "float16"); default bfloat16 when any linear is int4, else `dtype`.
 
   Returns:
     `MoECausalLM`: `model(input_ids [B, S]) -> logits [B, S, vocab]` (float32), jittable.
@@ -410,20 +624,28 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
                       moe_backend=moe_backend, qcfg=qcfg,
                       allow_activation_quantization=allow_activation_quantization,
                       float_impl=float_impl, generation_config=generation,
-                      show_progress=show_progress, shard=shard)
-  logger.info("loaded %s (%s, %d layers) from %s: experts %s", cfg.model_type, dt,
-              cfg.num_layers, path, model.moe_backends())
+                      show_progress=show_progress, shard=shard,
+                      quantize_linears=quantize_linears,
+                      lm_head_quantization=lm_head_quantization,
+                      attention_dtype=attention_dtype)
+  logger.info("loaded %s (%s, %d layers) from %s: experts %s, linears %s", cfg.model_type, dt,
+              cfg.num_layers, path, model.moe_backends(), model.linear_backends())
   return model
 
 
 def from_config(config_json: Mapping[str, Any], *, dtype="float32", quantization: str | None = None,
                 group_size: int | None = None, moe_backend: str = "auto", seed: int = 0,
                 allow_activation_quantization: bool | None = None, float_impl: str = "auto",
-                show_progress: bool = False) -> decoder.MoECausalLM:
-  """A model of a `config.json` dict with random weights (std 0.02), built layer by layer."""
+                show_progress: bool = False, quantize_linears: bool = False,
+                lm_head_quantization: str | None = None,
+                attention_dtype=None) -> decoder.MoECausalLM:
+  """A model of a `config.json` dict with random weights (std 0.02), built layer by layer
+  (keywords as `from_pretrained`)."""
   cfg = decoder_config(config_json)
   dt = resolve_dtype(dtype, cfg)
   return build_model(cfg, _RandomSource(cfg, seed, dt), dt, quantization=quantization,
                      group_size=group_size, moe_backend=moe_backend,
                      allow_activation_quantization=allow_activation_quantization,
-                     float_impl=float_impl, show_progress=show_progress)
+                     float_impl=float_impl, show_progress=show_progress,
+                     quantize_linears=quantize_linears,
+                     lm_head_quantization=lm_head_quantization, attention_dtype=attention_dtype)

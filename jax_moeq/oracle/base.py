@@ -522,20 +522,22 @@ class RoutingOptions:
 BackendT = TypeVar("BackendT", bound=enum.Enum)
 
 
-def unsupported_message(scheme_name: str, backend: enum.Enum, reason: str | None) -> str:
-  """vLLM's wording for a backend that does not fit."""
+def unsupported_message(scheme_name: str, backend: enum.Enum, reason: str | None, *,
+                        kind: str = "MoE") -> str:
+  """vLLM's wording for a backend that does not fit (`kind`: "MoE" or "linear")."""
   if reason:
-    return (f"{scheme_name} MoE backend {backend.name} does not support the deployment "
+    return (f"{scheme_name} {kind} backend {backend.name} does not support the deployment "
             f"configuration since {reason}.")
-  return f"{scheme_name} MoE backend {backend.name} does not support the deployment configuration."
+  return (f"{scheme_name} {kind} backend {backend.name} does not support the deployment "
+          "configuration.")
 
 
-def map_backend_name(scheme_name: str, moe_backend: str,
-                     mapping: dict[str, BackendT]) -> BackendT:
+def map_backend_name(scheme_name: str, moe_backend: str, mapping: dict[str, BackendT], *,
+                     kind: str = "MoE", argument: str = "moe_backend") -> BackendT:
   """For `map_<scheme>_backend`: case-insensitive lookup, ValueError listing the choices."""
   backend = mapping.get(str(moe_backend).strip().lower())
   if backend is None:
-    raise ValueError(f"moe_backend={moe_backend!r} is not supported for {scheme_name} MoE. "
+    raise ValueError(f"{argument}={moe_backend!r} is not supported for {scheme_name} {kind}. "
                      f"Expected one of {[AUTO, *mapping]}.")
   return backend
 
@@ -546,7 +548,7 @@ def first_fit(classes: Sequence[type], config: MoEConfig, weight_key, activation
   reason = None
   for cls in classes:
     supported, reason = cls.is_supported_config(config, weight_key, activation_key,
-                                                config.activation_format)
+                                                getattr(config, "activation_format", None))
     if supported:
       return cls, None
   return None, reason or "no experts class implements it"
@@ -562,6 +564,8 @@ def select_backend(
     map_backend: Callable[[str], BackendT],
     *,
     reference_backend: BackendT | None = None,
+    kind: str = "MoE",
+    requested_backend: str | None = None,
 ) -> tuple[BackendT, type]:
   """The oracle loop shared by every scheme (rules in the module docstring).
 
@@ -574,6 +578,8 @@ def select_backend(
     map_backend: explicit `moe_backend` string -> backend (ValueError if unknown).
     reference_backend: the scheme's jnp fallback; default: the member of the
       priority list named REFERENCE.
+    kind: what the backend runs, in messages: "MoE" (experts) or "linear" (dense layers).
+    requested_backend: "auto" or an explicit backend name; default `config.moe_backend`.
 
   Returns:
     (backend, experts_cls).
@@ -582,13 +588,14 @@ def select_backend(
     ValueError: explicit `moe_backend` unknown or not fitting (naming backend and reason).
     NotImplementedError: "auto" and no backend fits.
   """
-  if config.moe_backend != AUTO:
-    backend = map_backend(config.moe_backend)
+  requested = config.moe_backend if requested_backend is None else requested_backend
+  if requested != AUTO:
+    backend = map_backend(requested)
     cls, reason = first_fit(backend_to_kernel_cls(backend), config, weight_key, activation_key)
     if cls is None:
-      raise ValueError(unsupported_message(scheme_name, backend, reason))
-    log_once(logging.INFO, f"Using {backend.name} {scheme_name} MoE backend "
-             f"(moe_backend={config.moe_backend!r} was requested).")
+      raise ValueError(unsupported_message(scheme_name, backend, reason, kind=kind))
+    log_once(logging.INFO, f"Using {backend.name} {scheme_name} {kind} backend "
+             f"({'moe_backend' if kind == 'MoE' else 'backend'}={requested!r} was requested).")
     return backend, cls
 
   if reference_backend is None:
@@ -598,20 +605,20 @@ def select_backend(
   for backend in priority_backends:
     cls, reason = first_fit(backend_to_kernel_cls(backend), config, weight_key, activation_key)
     if cls is None:
-      log_once(logging.DEBUG, unsupported_message(scheme_name, backend, reason))
+      log_once(logging.DEBUG, unsupported_message(scheme_name, backend, reason, kind=kind))
       rejected.append(f"{backend.name}: {reason}")
       continue
     if backend == reference_backend:
       why = ("; ".join(rejected) if rejected else
              f"no {scheme_name} kernel exists for platform {config.platform!r}")
-      log_once(logging.WARNING, f"Using the {backend.name} (pure jax.numpy) {scheme_name} MoE "
+      log_once(logging.WARNING, f"Using the {backend.name} (pure jax.numpy) {scheme_name} {kind} "
                f"backend since no faster backend fits the deployment configuration ({why}). "
                "It is exact but much slower than a fused kernel.")
     else:
-      log_once(logging.INFO, f"Using {backend.name} {scheme_name} MoE backend out of potential "
+      log_once(logging.INFO, f"Using {backend.name} {scheme_name} {kind} backend out of potential "
                f"backends: {[b.name for b in priority_backends]}.")
     return backend, cls
 
   detail = "; ".join(rejected) if rejected else f"none exists for platform {config.platform!r}"
   raise NotImplementedError(
-      f"No {scheme_name} MoE backend supports the deployment configuration ({detail}).")
+      f"No {scheme_name} {kind} backend supports the deployment configuration ({detail}).")
