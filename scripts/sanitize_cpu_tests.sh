@@ -49,7 +49,8 @@ rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
 
 if [ $# -eq 0 ]; then
-  set -- tests/test_w4a8_cpu.py tests/test_fused_moe.py tests/test_nn.py \
+  set -- tests/test_w4a8_cpu.py tests/test_w4a8_linear_cpu.py tests/test_fused_moe.py \
+    tests/test_nn.py \
     tests/test_mxint4_cpu.py tests/test_examples.py tests/test_native_safety.py \
     tests/test_limits.py tests/test_models.py tests/test_models_int4.py
 fi

@@ -7,12 +7,15 @@
 
 #include "cpu/cpu_isa.h"
 #include "cpu/read_probe.h"
+#include "cpu/w4a8_linear.h"
 #include "cpu/w4a8_moe.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla_ffi/abi_version.h"
 
 extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpuInto(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4A8LinearCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4A8LinearCpuInto(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
 
@@ -26,6 +29,10 @@ PYBIND11_MODULE(_cpu_ffi, m) {
         py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeCpu));
     targets["jax_moeq_w4a8_moe_cpu_into"] =
         py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeCpuInto));
+    targets["jax_moeq_w4a8_linear_cpu"] =
+        py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8LinearCpu));
+    targets["jax_moeq_w4a8_linear_cpu_into"] =
+        py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8LinearCpuInto));
     return targets;
   });
   m.def("read_bandwidth_gbps",
@@ -96,6 +103,39 @@ PYBIND11_MODULE(_cpu_ffi, m) {
     return out;
   }, "Stage times (ns, summed) since the last take, then zeroed: {'chunks', 'stages': {name: "
      "{wall_ns, dispatch_ns, busy_ns, join_ns, pieces}}}.");
+  m.def("w4a8_linear_chunk_rows",
+        [](int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
+           const std::string& dtype) {
+          namespace cpu = jax_moeq::cpu;
+          cpu::W4A8LinearProblem p{};
+          if (dtype == "float32") {
+            p.dtype = cpu::ElementType::kF32;
+          } else if (dtype == "bfloat16") {
+            p.dtype = cpu::ElementType::kBF16;
+          } else if (dtype == "float16") {
+            p.dtype = cpu::ElementType::kF16;
+          } else {
+            throw py::value_error("w4a8_linear_chunk_rows: dtype must be float32, bfloat16 or "
+                                  "float16, got " + dtype);
+          }
+          p.rows = rows;
+          p.in_features = in_features;
+          p.out_features = out_features;
+          p.group_size = group_size;
+          // The packed size is computed only for sizes where it is defined (g != 0, in range).
+          const bool sized = in_features >= 1 && in_features <= cpu::kW4A8MaxFeatures &&
+                             out_features >= 1 &&
+                             out_features <= cpu::kW4A8LinearMaxOutFeatures &&
+                             (group_size == -1 || group_size == 32 || group_size == 64 ||
+                              group_size == 128);
+          const std::string error = cpu::ValidateW4A8LinearShapes(
+              p, sized ? cpu::W4A8PackedBytes(out_features, in_features, group_size) : -1);
+          if (!error.empty()) throw py::value_error("w4a8_linear_chunk_rows: " + error);
+          return cpu::W4A8LinearChunkRows(p);
+        },
+        py::arg("rows"), py::arg("in_features"), py::arg("out_features"), py::arg("group_size"),
+        py::arg("dtype"),
+        "Rows the W4A8 dense linear runs per chunk (its scratch is bounded by the chunk).");
   m.def("w4a8_packed_bytes", &jax_moeq::cpu::W4A8PackedBytes, py::arg("n"), py::arg("k"),
         py::arg("group_size"), "Bytes of one expert's packed weights (N outputs, K inputs).");
 }

@@ -11,6 +11,7 @@
 #include "cpu/w4a8_gemm.h"
 #include "cpu/w4a8_layout.h"
 #include "cpu/w4a8_rows.h"
+#include "cpu/w4a8_work.h"
 
 namespace jax_moeq::cpu {
 namespace {
@@ -18,15 +19,6 @@ namespace {
 // --------------------------------------------------------------- scratch
 // The most scratch bytes any one thread's Scratch has held (W4A8MoeScratchHighWater).
 std::atomic<int64_t> scratch_high_water{0};
-
-// At least n elements (contents not kept); a new allocation is exactly n, not the doubling of
-// resize, so the scratch stays within the chunk's budget. Adds the capacity to *bytes.
-template <typename T>
-T* Grow(std::vector<T>& v, int64_t n, int64_t* bytes) {
-  if (static_cast<int64_t>(v.size()) < n) std::vector<T>(static_cast<size_t>(n)).swap(v);
-  *bytes += static_cast<int64_t>(v.capacity() * sizeof(T));
-  return v.data();
-}
 
 // Per calling thread, kept between calls (grown, never shrunk): bounded by the chunking below.
 struct Scratch {
@@ -49,11 +41,6 @@ void AtomicMin(std::atomic<int64_t>& a, int64_t v) {
 }
 
 void NoteScratchBytes(int64_t bytes) { AtomicMax(scratch_high_water, bytes); }
-
-size_t ElementBytes(ElementType t) { return t == ElementType::kF32 ? 4 : 2; }
-
-// Row stages (quantize, activate, combine) this small run on the calling thread.
-constexpr int64_t kInlineStageElements = 16384;
 
 // ------------------------------------------------------------ stage times (off by default)
 std::atomic<bool> profiling{false};
@@ -142,19 +129,14 @@ struct GemmItem {
   int64_t tile_end;
 };
 
-// Work items of (expert, range of 16-row tiles); ranges shrink when few
-// experts are hit so that every thread gets work in decode: about 256 items
-// in all, so that 16 threads each take ~16 and finish within a small item of
-// each other (64 items left threads idle for a quarter of GEMM1 at T=1 on 16
-// cores, Xeon, 2026-11-25).
+// Work items of (expert, range of 16-row tiles), TilesPerGemmItem tiles each.
 std::vector<GemmItem> MakeGemmItems(const std::vector<int32_t>& counts, int64_t n) {
   const int64_t tiles = n / kTileRows;
   int64_t active = 0;
   for (int32_t c : counts) active += c > 0;
   std::vector<GemmItem> items;
   if (active == 0) return items;
-  const int64_t per_expert = std::max<int64_t>(1, 256 / active);
-  const int64_t chunk = std::max<int64_t>(2, (tiles + per_expert - 1) / per_expert);
+  const int64_t chunk = TilesPerGemmItem(tiles, active);
   for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
     if (counts[e] == 0) continue;
     for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
