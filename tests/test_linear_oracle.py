@@ -52,7 +52,8 @@ def test_w4a8_on_cpu_picks_the_kernel(group):
 
 
 @needs_cpu_kernel
-def test_wna16_on_cpu_needs_activation_quantization_for_the_kernel(caplog):
+def test_wna16_on_cpu_needs_activation_quantization_for_the_kernel(caplog, monkeypatch):
+  monkeypatch.setattr(base, "_LOGGED", set())  # log_once: messages seen by earlier tests
   key = linear_weight_key("wna16", 128)
   with caplog.at_level(logging.WARNING, logger="jax_moeq.oracle"):
     backend, cls = select_linear_backend("wna16", _cfg(), key)

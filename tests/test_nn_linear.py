@@ -198,3 +198,43 @@ def test_bad_input_is_refused_with_names():
     quantize_linear(np.ones((16, 96), np.float32), 48)
   with pytest.raises(ValueError, match="W4A8 Int8 linear backend CPU_W4A8 does not support"):
     QuantizedLinear(128, 32, weights=w, backend="cpu_w4a8", platform="cuda")
+
+
+def _gpu_skip_reason() -> str | None:
+  from _helpers import cuda_skip_reason
+  try:
+    from jax_moeq.ops import wna16_linear_gpu
+  except ImportError:
+    return "the GPU WNA16 linear op is not available"
+  return cuda_skip_reason(wna16_linear_gpu.wna16_linear_gpu_available)
+
+
+@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=_gpu_skip_reason() or "")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("group, bias, act_order, zeros", [(128, True, False, False),
+                                                           (64, False, True, False),
+                                                           (32, True, False, True),
+                                                           (-1, False, False, False)])
+def test_marlin_linear_matches_the_wna16_reference(dtype, group, bias, act_order, zeros):
+  rng = np.random.default_rng(group + 2 * act_order + 4 * zeros)
+  w = _weights(rng, 192, 256, group, bias=bias, act_order=act_order, zeros=zeros)
+  layer = QuantizedLinear(256, 192, scheme="wna16", weights=w, dtype=dtype)
+  assert layer.backend == "marlin"
+  for rows in (1, 37):
+    x = _x(rng, (rows, 256), dtype)
+    got = layer(x)
+    want = reference.linear_wna16(x, w.q, w.scale, group, g_idx=w.g_idx, zeros=w.zeros,
+                                  bias=w.bias)
+    assert got.dtype == jnp.dtype(dtype)
+    # SPEC §9: 1e-2 in bf16/fp16 (the kernel may fold a group's scale after its sums).
+    assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
+  # Fused q/k/v rows on the GPU: each output row is its own GEMM row.
+  parts = [_weights(rng, n, 256, group, bias=bias) for n in (128, 64, 64)]
+  fused = QuantizedLinear(256, 256, scheme="wna16", weights=concat_linears(parts), dtype=dtype)
+  x = _x(rng, (9, 256), dtype)
+  separate = np.concatenate([np.asarray(QuantizedLinear(256, p.out_features, scheme="wna16",
+                                                        weights=p, dtype=dtype)(x), np.float32)
+                             for p in parts], axis=-1)
+  assert rel_err(np.asarray(fused(x), np.float32), separate) < 1e-2
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda m, v: m(v))(layer, x), np.float32),
+                                np.asarray(layer(x), np.float32))

@@ -41,6 +41,7 @@ __all__ = ["CPUW4A8Linear", "LinearKernel", "MarlinLinear", "ReferenceW4A8Linear
 _W4A8_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 CPU_ALIGNMENT = 16  # N and K: the W4A8 packed layout's 16-row tiles
+GPU_ALIGNMENT = 64  # N and K: the wgmma GEMM's half tile of rows, its 64-deep chunk along K
 
 
 # ------------------------------------------------------------------ base
@@ -332,6 +333,9 @@ class MarlinLinear(_WNA16Base):
   def _unsupported_reason(cls, config: Any, weight_key: QuantKey) -> str | None:
     if config.in_dtype not in _HALF_DTYPES:
       return f"the kernel takes bfloat16/float16 activations, not {config.in_dtype}"
+    n, k = config.out_features, config.in_features
+    if n % GPU_ALIGNMENT or k % GPU_ALIGNMENT:
+      return f"out_features={n} and in_features={k} must be multiples of {GPU_ALIGNMENT}"
     op = _gpu_op()
     if op is None:
       return "the GPU WNA16 linear op (jax_moeq.ops.wna16_linear_gpu) is not available"
@@ -345,9 +349,12 @@ class MarlinLinear(_WNA16Base):
 
   def prepare(self, weights: Int4LinearWeights) -> dict[str, Array]:
     w = self._check(weights)
-    packed = _gpu_op().pack_wna16_linear(
-        jnp.asarray(w.q), jnp.asarray(w.scale), w.group_size, g_idx=w.g_idx, zeros=w.zeros,
-        bias=w.bias, dtype=self.config.in_dtype)
+    q, zeros = jnp.asarray(w.q), w.zeros
+    if zeros is not None:
+      # Unsigned q and zero points in [0, 15] -> the op's signed domain: (q - z) is unchanged.
+      q, zeros = q - jnp.int8(8), jnp.asarray(zeros).astype(jnp.int8) - jnp.int8(8)
+    packed = _gpu_op().pack_wna16_linear(q, jnp.asarray(w.scale), w.group_size, g_idx=w.g_idx,
+                                         zeros=zeros, bias=w.bias, dtype=self.config.in_dtype)
     leaves, treedef = jax.tree_util.tree_flatten(packed)
     self._treedef = treedef
     return {f"packed_{i}": leaf for i, leaf in enumerate(leaves)}

@@ -39,7 +39,8 @@ class Int4LinearWeights:
     group_size: 32, 64, 128, or -1 (channel-wise).
     g_idx: [K] int32, the group of each input channel (GPTQ act-order), or None for contiguous
       groups (k // g).
-    zeros: [N, K/g] zero points (w = (q − z)·s, AWQ), or None (symmetric).
+    zeros: [N, K/g] integer zero points in [0, 15] (w = (q − z)·s with q in [0, 15], AWQ), or
+      None (symmetric).
     bias: [N] float, or None.
   """
   q: Array
