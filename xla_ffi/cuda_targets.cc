@@ -10,6 +10,8 @@ extern "C" XLA_FFI_Error* JaxMoeqMxInt4MoeCudaInto(XLA_FFI_CallFrame* call_frame
 extern "C" XLA_FFI_Error* JaxMoeqW4a8MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4a8MoeCudaInto(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4a8QuantizeRowsCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqWna16LinearCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqWna16LinearCudaInto(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -21,6 +23,8 @@ const char* kTargetNames[] = {
     "jax_moeq_w4a8_moe_cuda",
     "jax_moeq_w4a8_moe_cuda_into",
     "jax_moeq_w4a8_quantize_rows_cuda",
+    "jax_moeq_wna16_linear_cuda",
+    "jax_moeq_wna16_linear_cuda_into",
 };
 
 void* kTargetHandlers[] = {
@@ -31,6 +35,8 @@ void* kTargetHandlers[] = {
     reinterpret_cast<void*>(&JaxMoeqW4a8MoeCuda),
     reinterpret_cast<void*>(&JaxMoeqW4a8MoeCudaInto),
     reinterpret_cast<void*>(&JaxMoeqW4a8QuantizeRowsCuda),
+    reinterpret_cast<void*>(&JaxMoeqWna16LinearCuda),
+    reinterpret_cast<void*>(&JaxMoeqWna16LinearCudaInto),
 };
 
 static_assert(sizeof(kTargetNames) / sizeof(kTargetNames[0]) ==

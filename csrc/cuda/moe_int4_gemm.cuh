@@ -21,8 +21,9 @@ namespace jax_moeq::cuda {
 enum class EpilogueKind {
   kF32Store,     // acc -> ws[id][n] (atomicAdd when split > 1)
   kActivation,   // GEMM1, split == 1: bias, round, activation, round -> act[id][col]
-  kRoundedStore  // GEMM2 on the wgmma GEMM only: round((acc + bias) * topk_weights[id]) ->
-                 // rounded[id][n] as T (bias and weights optional; FinalizeRoundedRowsKernel)
+  kRoundedStore  // round((acc + bias) * topk_weights[id]) -> rounded[id][n] as T (bias and
+                 // weights optional): the wgmma GEMM2 (FinalizeRoundedRowsKernel finishes), and
+                 // the dense linear on either GEMM (split == 1)
 };
 
 // How the GEMM's main loop feeds the tensor cores:
@@ -85,6 +86,11 @@ struct MoeGemmArgs {
   // Launch after the previous kernel with the dependent launch (LaunchAfterPrior); false after a
   // memset, where the programmatic edge would have no kernel to follow.
   bool dependent_launch = true;
+  // Dense problem (a linear layer, wna16_linear.cu): every row belongs to expert 0 and expert
+  // block b holds rows b * block_m + slot, so no alignment runs; sorted_ids, expert_ids and
+  // num_post_padded are unused. With arrivals, the last warp of a unit writes out[t][n] =
+  // round(ws[t][n] + out_bias[n]) for every row t.
+  bool dense_rows = false;
 };
 
 // Whether a call takes the decode path without alignment: one token (its K pairs have distinct
@@ -317,6 +323,7 @@ __device__ __forceinline__ uint32_t MagicPlusZero(uint32_t zero_pair) {
 // Expert of expert block `blk`, or -1 when the block has no work: past the padded end, all
 // padding, or (decode without alignment) a pair whose expert is out of range.
 __device__ __forceinline__ int BlockExpert(const MoeGemmArgs& p, int blk, int block_m) {
+  if (p.dense_rows) return blk * block_m < p.num_rows ? 0 : -1;
   if (p.pair_experts) {
     if (blk >= p.num_rows) return -1;
     const int e = __ldg(p.pair_experts + blk);
@@ -334,6 +341,7 @@ __device__ __forceinline__ int BlockExpert(const MoeGemmArgs& p, int blk, int bl
 
 // Pair row of slot `slot` of expert block `blk` (>= num_rows: padding).
 __device__ __forceinline__ int BlockRow(const MoeGemmArgs& p, int blk, int block_m, int slot) {
+  if (p.dense_rows) return blk * block_m + slot;
   if (p.pair_experts) return slot == 0 ? blk : p.num_rows;
   return __ldg(p.sorted_ids + blk * block_m + slot);
 }
@@ -525,6 +533,15 @@ __device__ __forceinline__ void ArriveAndFinalize(const MoeGemmArgs& p, int unit
   ticket = __shfl_sync(0xffffffffu, ticket, 0);
   if (ticket != static_cast<int>(gridDim.x * gridDim.z) - 1) return;
   __threadfence();  // and the others' adds before the reads (from L2)
+  if (p.dense_rows) {
+    const int col = unit * 32 + lane;
+    const float bias = p.out_bias ? __ldg(p.out_bias + col) : 0.0f;
+    for (int t = 0; t < p.num_rows; ++t) {
+      const int64_t at = static_cast<int64_t>(t) * p.n + col;
+      StoreHalf<T>(p.out, at, __ldcg(p.ws + at) + bias);
+    }
+    return;
+  }
   const int tokens = p.num_rows / p.top_k;
   for (int t = 0; t < tokens; ++t) {
     FinalizeTokenColumn<T>(p.ws, p.pair_experts, p.experts, p.topk_weights, p.out_bias, p.top_k,
@@ -781,6 +798,15 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
       if (id >= p.num_rows) continue;
       if (p.epilogue == EpilogueKind::kActivation) {
         StoreActivation<T, false>(p, expert, sub[0] * 16 + row, id, acc[0][m][c], acc[1][m][c]);
+      } else if (p.epilogue == EpilogueKind::kRoundedStore) {  // split == 1
+        const float w = p.topk_weights ? __ldg(p.topk_weights + id) : 1.0f;
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          const int col = sub[j] * 16 + row;
+          float v = acc[j][m][c];
+          if (p.bias) v += __ldg(p.bias + static_cast<int64_t>(expert) * p.n + col);
+          StoreHalf<T>(p.rounded, static_cast<int64_t>(id) * p.n + col, v * w);
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < kNsub; ++j) {

@@ -138,7 +138,7 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
   for (int i = 0; i < kN * 16 / kWgmmaThreads; ++i) {
     const int v = tid + kWgmmaThreads * i;
     const int r = v >> 4, q = v & 15;
-    const int id = __ldg(p.sorted_ids + blk * kN + r);
+    const int id = BlockRow(p, blk, kN, r);
     if (id >= p.num_rows || 8 * q >= cols) continue;
     const uint4 piece = LdShared128(smem + r * kWgOutRowBytes + 16 * q);
     *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.act) + static_cast<int64_t>(id) * half_n +
@@ -194,7 +194,7 @@ __device__ __forceinline__ void StoreRoundedTile(const MoeGemmArgs& p, uint32_t 
   int ids[kPieces];
   float w[kPieces];
 #pragma unroll
-  for (int i = 0; i < kPieces; ++i) ids[i] = __ldg(p.sorted_ids + blk * kN + warp + 8 * i);
+  for (int i = 0; i < kPieces; ++i) ids[i] = BlockRow(p, blk, kN, warp + 8 * i);
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
     w[i] = p.topk_weights && ids[i] < p.num_rows ? __ldg(p.topk_weights + ids[i]) : 1.0f;
@@ -239,10 +239,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
   AllowDependentGrids();
   const int blk = kExpertBlockFastest ? blockIdx.x : blockIdx.y;
   const int n_tile = kExpertBlockFastest ? blockIdx.y : blockIdx.x;
-  // Whole-CTA exits only (every thread takes part in the barriers below).
-  if (blk * kN >= __ldg(p.num_post_padded)) return;
-  if (__ldg(p.sorted_ids + blk * kN) >= p.num_rows) return;  // empty block
-  const int expert = __ldg(p.expert_ids + blk);
+  // Whole-CTA exits only (every thread takes part in the barriers below): past the padded end,
+  // an empty block, or no expert.
+  const int expert = BlockExpert(p, blk, kN);
   if (expert < 0) return;
 
   // Shared memory is addressed in the 32-bit shared window throughout: generic pointers into it
@@ -273,7 +272,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
   uint32_t xbytes[kPieces];
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
-    const int id = __ldg(p.sorted_ids + blk * kN + (tid >> 3) + 32 * i);
+    const int id = BlockRow(p, blk, kN, (tid >> 3) + 32 * i);
     const bool ok = id < p.num_rows;
     xbytes[i] = ok ? 16 : 0;
     xcur[i] = reinterpret_cast<const T*>(p.x) +
@@ -396,7 +395,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
   for (int nb = 0; nb < kN / 8; ++nb) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int id = __ldg(p.sorted_ids + blk * kN + 8 * nb + 2 * t + e);
+      const int id = BlockRow(p, blk, kN, 8 * nb + 2 * t + e);
       if (id >= p.num_rows) continue;
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh) {
