@@ -65,7 +65,9 @@ class TargetChecks {
   ffi::Error Buffer(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
                     const char* dtype_name, std::initializer_list<int64_t> want) const {
     if (ffi::Error e = Shape(name, buffer, want); e.failure()) return e;
-    if (buffer.element_type() != dtype) return Invalid(std::string(name) + " must be " + dtype_name);
+    if (buffer.element_type() != dtype) {
+      return Invalid(std::string(name) + " must be " + dtype_name);
+    }
     return ffi::Error::Success();
   }
 
@@ -74,7 +76,7 @@ class TargetChecks {
                      int64_t count) const {
     if (buffer.element_type() != dtype || static_cast<int64_t>(buffer.element_count()) < count) {
       return Invalid(std::string(name) + " scratch must hold " + std::to_string(count) +
-                     " elements of its dtype, got " + std::to_string(buffer.element_count()));
+                     " elements of its dtype");
     }
     return ffi::Error::Success();
   }

@@ -2,67 +2,19 @@
 // and attributes, validate, enqueue the launchers of csrc/cuda on XLA's stream.
 #include <cuda_runtime.h>
 
-#include <limits>
 #include <string>
 #include <utility>
 
 #include "cuda/mxint4_moe.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handler_checks.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_moeq::ffi_cuda {
 namespace {
 
-ffi::Error Invalid(const std::string& message) {
-  return ffi::Error::InvalidArgument("jax_moeq_mxint4_moe_cuda: " + message);
-}
-
-std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
-                       const char* dtype_name, std::initializer_list<int64_t> want) {
-  const auto dims = buffer.dimensions();
-  bool same = dims.size() == want.size();
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (!same) break;
-    same = dims[i++] == w;
-  }
-  if (!same) {
-    std::string w = "[";
-    i = 0;
-    for (int64_t v : want) w += (i++ ? ", " : "") + std::to_string(v);
-    return Invalid(std::string(name) + " has shape " + Dims(dims) + ", expected " + w + "]");
-  }
-  if (buffer.element_type() != dtype) {
-    return Invalid(std::string(name) + " must be " + dtype_name);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error CheckScratch(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
-                        int64_t count) {
-  if (buffer.element_type() != dtype || static_cast<int64_t>(buffer.element_count()) < count) {
-    return Invalid(std::string(name) + " scratch must hold " + std::to_string(count) +
-                   " elements of its dtype");
-  }
-  return ffi::Error::Success();
-}
-
-bool FitsInt(int64_t v) {
-  return v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max();
-}
-
-#define RETURN_IF_ERROR(expr)    \
-  do {                           \
-    ffi::Error _e = (expr);      \
-    if (_e.failure()) return _e; \
-  } while (0)
+const TargetChecks kChecks("jax_moeq_mxint4_moe_cuda");
 
 ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits,
                          ffi::AnyBuffer bias, ffi::AnyBuffer w13, ffi::AnyBuffer s13,
@@ -87,28 +39,26 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
        {std::pair<const char*, int64_t>{"routing_method", routing_method},
         {"num_expert_group", num_expert_group}, {"topk_group", topk_group},
         {"block_m", block_m}, {"split13", split13}, {"split2", split2}, {"mainloop", mainloop}}) {
-    if (!FitsInt(value)) {
-      return Invalid(std::string(name) + " " + std::to_string(value) + " is out of range");
-    }
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr(name, value));
   }
   cuda::MxInt4MoeProblem p;
   const auto xd = x.dimensions();
-  if (xd.size() != 2) return Invalid("x must be [tokens, hidden], got " + Dims(xd));
-  if (x.element_type() != ffi::BF16) return Invalid("x must be bfloat16");
+  if (xd.size() != 2) return kChecks.Invalid("x must be [tokens, hidden], got " + Dims(xd));
+  if (x.element_type() != ffi::BF16) return kChecks.Invalid("x must be bfloat16");
   p.tokens = xd[0];
   p.hidden = xd[1];
   const auto ld = logits.dimensions();
   if (ld.size() != 2 || ld[0] != p.tokens) {
-    return Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
+    return kChecks.Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
   }
   if (logits.element_type() == ffi::BF16) {
     p.logits_bf16 = true;
   } else if (logits.element_type() != ffi::F32) {
-    return Invalid("router_logits must be float32 or bfloat16");
+    return kChecks.Invalid("router_logits must be float32 or bfloat16");
   }
   p.num_experts = ld[1];
   const auto wd = w13.dimensions();
-  if (wd.size() != 5) return Invalid("w13 must be packed [L, 2I/16, H/64, 32, 4] uint32");
+  if (wd.size() != 5) return kChecks.Invalid("w13 must be packed [L, 2I/16, H/64, 32, 4] uint32");
   p.local_experts = wd[0];
   p.local_offset = local_expert_offset;
   p.top_k = top_k;
@@ -124,33 +74,41 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   p.one_token = one_token;
   p.fused_decode = fused_decode;
   if (has_bias) {
-    RETURN_IF_ERROR(CheckBuffer("e_score_correction_bias", bias, ffi::F32, "float32",
-                                {p.num_experts}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Buffer("e_score_correction_bias", bias, ffi::F32, "float32",
+                                            {p.num_experts}));
     p.bias = static_cast<const float*>(bias.untyped_data());
   }
   std::string err = cuda::ValidateMxInt4MoeProblem(p);
-  if (!err.empty()) return Invalid(err);
+  if (!err.empty()) return kChecks.Invalid(err);
 
   const int64_t L = p.local_experts, H = p.hidden, I = p.intermediate, T = p.tokens;
   const int64_t K = p.top_k;
-  RETURN_IF_ERROR(CheckBuffer("w13", w13, ffi::U32, "uint32", {L, 2 * I / 16, H / 64, 32, 4}));
-  RETURN_IF_ERROR(CheckBuffer("w2", w2, ffi::U32, "uint32", {L, H / 16, I / 64, 32, 4}));
-  RETURN_IF_ERROR(CheckBuffer("w13_scale", s13, ffi::BF16, "bfloat16", {L, H / 32, 2 * I / 16, 16}));
-  RETURN_IF_ERROR(CheckBuffer("w2_scale", s2, ffi::BF16, "bfloat16", {L, I / 32, H / 16, 16}));
-  RETURN_IF_ERROR(CheckBuffer("output", *out, ffi::BF16, "bfloat16", {T, H}));
-  RETURN_IF_ERROR(CheckBuffer("topk_ids", *topk_ids, ffi::S32, "int32", {T, K}));
-  RETURN_IF_ERROR(CheckBuffer("topk_weights", *topk_weights, ffi::F32, "float32", {T, K}));
-  RETURN_IF_ERROR(CheckBuffer("local_ids", *local_ids, ffi::S32, "int32", {T, K}));
-  RETURN_IF_ERROR(CheckScratch("sorted_ids", *sorted_ids, ffi::S32, cuda::MxInt4MoeMaxPadded(p)));
-  RETURN_IF_ERROR(CheckScratch("expert_ids", *expert_ids, ffi::S32, cuda::MxInt4MoeMaxBlocks(p)));
-  RETURN_IF_ERROR(CheckScratch("num_post_padded", *num_post_padded, ffi::S32, 1));
-  RETURN_IF_ERROR(CheckScratch("act", *act, ffi::BF16, T * K * I));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.Buffer("w13", w13, ffi::U32, "uint32", {L, 2 * I / 16, H / 64, 32, 4}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.Buffer("w2", w2, ffi::U32, "uint32", {L, H / 16, I / 64, 32, 4}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.Buffer("w13_scale", s13, ffi::BF16, "bfloat16", {L, H / 32, 2 * I / 16, 16}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.Buffer("w2_scale", s2, ffi::BF16, "bfloat16", {L, I / 32, H / 16, 16}));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Buffer("output", *out, ffi::BF16, "bfloat16", {T, H}));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Buffer("topk_ids", *topk_ids, ffi::S32, "int32", {T, K}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.Buffer("topk_weights", *topk_weights, ffi::F32, "float32", {T, K}));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Buffer("local_ids", *local_ids, ffi::S32, "int32", {T, K}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.Scratch("sorted_ids", *sorted_ids, ffi::S32, cuda::MxInt4MoeMaxPadded(p)));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.Scratch("expert_ids", *expert_ids, ffi::S32, cuda::MxInt4MoeMaxBlocks(p)));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Scratch("num_post_padded", *num_post_padded, ffi::S32, 1));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Scratch("act", *act, ffi::BF16, T * K * I));
   if (p.split13 > 1) {
-    RETURN_IF_ERROR(CheckScratch("ws13", *ws13, ffi::F32, cuda::MxInt4MoeWs13Floats(p)));
+    JAX_MOEQ_RETURN_IF_ERROR(
+        kChecks.Scratch("ws13", *ws13, ffi::F32, cuda::MxInt4MoeWs13Floats(p)));
   }
-  RETURN_IF_ERROR(CheckScratch("ws2", *ws2, ffi::F32, cuda::MxInt4MoeWs2Floats(p)));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Scratch("ws2", *ws2, ffi::F32, cuda::MxInt4MoeWs2Floats(p)));
   if (const int64_t perm_rows = cuda::MxInt4MoePermutedRows(p); perm_rows > 0) {
-    RETURN_IF_ERROR(CheckScratch("x_perm", *x_perm, ffi::BF16, perm_rows * H));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Scratch("x_perm", *x_perm, ffi::BF16, perm_rows * H));
   }
 
   p.x = x.untyped_data();
@@ -171,7 +129,7 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   p.ws2 = static_cast<float*>(ws2->untyped_data());
   p.x_perm = x_perm->untyped_data();
   err = cuda::RunMxInt4Moe(p, stream);
-  if (!err.empty()) return ffi::Error::Internal("jax_moeq_mxint4_moe_cuda: " + err);
+  if (!err.empty()) return kChecks.Internal(err);
   return ffi::Error::Success();
 }
 

@@ -2,51 +2,20 @@
 // attributes, validate, enqueue the launchers of csrc/cuda on XLA's stream.
 #include <cuda_runtime.h>
 
-#include <limits>
 #include <string>
 #include <utility>
 
 #include "cuda/w4a8_moe.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handler_checks.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_moeq::ffi_cuda {
 namespace {
 
-ffi::Error Invalid(const char* target, const std::string& message) {
-  return ffi::Error::InvalidArgument(std::string(target) + ": " + message);
-}
-
-constexpr const char* kMoe = "jax_moeq_w4a8_moe_cuda";
-constexpr const char* kQuant = "jax_moeq_w4a8_quantize_rows_cuda";
-
-std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
-                       const char* dtype_name, std::initializer_list<int64_t> want) {
-  const auto dims = buffer.dimensions();
-  bool ok = dims.size() == want.size();
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (!ok) break;
-    ok = dims[i++] == w;
-  }
-  if (!ok) {
-    std::string w = "[";
-    i = 0;
-    for (int64_t v : want) w += (i++ ? ", " : "") + std::to_string(v);
-    return Invalid(kMoe, std::string(name) + " has shape " + Dims(dims) + ", expected " + w + "]");
-  }
-  if (buffer.element_type() != dtype) {
-    return Invalid(kMoe, std::string(name) + " must be " + dtype_name);
-  }
-  return ffi::Error::Success();
-}
+const TargetChecks kMoeChecks("jax_moeq_w4a8_moe_cuda");
+const TargetChecks kQuantChecks("jax_moeq_w4a8_quantize_rows_cuda");
 
 bool DtypeOf(ffi::DataType t, cuda::W4a8Dtype* out) {
   switch (t) {
@@ -56,12 +25,6 @@ bool DtypeOf(ffi::DataType t, cuda::W4a8Dtype* out) {
     default: return false;
   }
 }
-
-#define RETURN_IF_ERROR(expr)          \
-  do {                                 \
-    ffi::Error _e = (expr);            \
-    if (_e.failure()) return _e;       \
-  } while (0)
 
 ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer topk_ids,
                        ffi::AnyBuffer topk_weights, ffi::AnyBuffer w13, ffi::AnyBuffer s13,
@@ -76,29 +39,32 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
                        int64_t hidden_size, int64_t intermediate_size, int64_t groups13,
                        int64_t groups2, int64_t activation_kind, bool has_bias,
                        bool apply_router_weight_on_input) {
-  if (activation_kind < std::numeric_limits<int>::min() ||
-      activation_kind > std::numeric_limits<int>::max()) {
-    return Invalid(kMoe, "activation_kind " + std::to_string(activation_kind) + " is out of range");
-  }
+  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.IntAttr("activation_kind", activation_kind));
   cuda::W4a8MoeProblem p;
   if (!DtypeOf(x.element_type(), &p.dtype)) {
-    return Invalid(kMoe, "x must be float32, bfloat16 or float16");
+    return kMoeChecks.Invalid("x must be float32, bfloat16 or float16");
   }
   const auto xd = x.dimensions();
   const int64_t H = hidden_size, I = intermediate_size;
-  if (xd.size() != 2 || xd[1] != H) return Invalid(kMoe, "x must be [tokens, hidden], got " + Dims(xd));
+  if (xd.size() != 2 || xd[1] != H) {
+    return kMoeChecks.Invalid("x must be [tokens, hidden], got " + Dims(xd));
+  }
   p.tokens = xd[0];
-  if (topk_ids.element_type() != ffi::S32) return Invalid(kMoe, "topk_ids must be int32");
-  if (topk_weights.element_type() != ffi::F32) return Invalid(kMoe, "topk_weights must be float32");
+  if (topk_ids.element_type() != ffi::S32) return kMoeChecks.Invalid("topk_ids must be int32");
+  if (topk_weights.element_type() != ffi::F32) {
+    return kMoeChecks.Invalid("topk_weights must be float32");
+  }
   const auto id = topk_ids.dimensions();
   if (id.size() != 2 || id[0] != p.tokens) {
-    return Invalid(kMoe, "topk_ids must be [tokens, top_k], got " + Dims(id));
+    return kMoeChecks.Invalid("topk_ids must be [tokens, top_k], got " + Dims(id));
   }
   p.top_k = id[1];
-  RETURN_IF_ERROR(CheckBuffer("topk_weights", topk_weights, ffi::F32, "float32",
-                              {p.tokens, p.top_k}));
+  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.Buffer("topk_weights", topk_weights, ffi::F32, "float32",
+                                             {p.tokens, p.top_k}));
   const auto w13d = w13.dimensions();
-  if (w13d.size() != 5) return Invalid(kMoe, "w13 must be packed [E, 2I/16, H/128, 32, 8] uint32");
+  if (w13d.size() != 5) {
+    return kMoeChecks.Invalid("w13 must be packed [E, 2I/16, H/128, 32, 8] uint32");
+  }
   p.experts = w13d[0];
   p.hidden = H;
   p.intermediate = I;
@@ -108,24 +74,31 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.has_bias = has_bias;
   p.weight_on_input = apply_router_weight_on_input;
   std::string err = cuda::ValidateW4a8MoeProblem(p);
-  if (!err.empty()) return Invalid(kMoe, err);
+  if (!err.empty()) return kMoeChecks.Invalid(err);
   const int64_t E = p.experts;
-  RETURN_IF_ERROR(CheckBuffer("w13", w13, ffi::U32, "uint32", {E, 2 * I / 16, H / 128, 32, 8}));
-  RETURN_IF_ERROR(CheckBuffer("w2", w2, ffi::U32, "uint32", {E, H / 16, I / 128, 32, 8}));
-  RETURN_IF_ERROR(CheckBuffer("w13_scales", s13, ffi::F32, "float32", {E, 2 * I / 16, groups13, 16}));
-  RETURN_IF_ERROR(CheckBuffer("w2_scales", s2, ffi::F32, "float32", {E, H / 16, groups2, 16}));
-  RETURN_IF_ERROR(CheckBuffer("w13_row_corr", rc13, ffi::F32, "float32", {E, 2 * I}));
-  RETURN_IF_ERROR(CheckBuffer("w2_row_corr", rc2, ffi::F32, "float32", {E, H}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kMoeChecks.Buffer("w13", w13, ffi::U32, "uint32", {E, 2 * I / 16, H / 128, 32, 8}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kMoeChecks.Buffer("w2", w2, ffi::U32, "uint32", {E, H / 16, I / 128, 32, 8}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kMoeChecks.Buffer("w13_scales", s13, ffi::F32, "float32", {E, 2 * I / 16, groups13, 16}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kMoeChecks.Buffer("w2_scales", s2, ffi::F32, "float32", {E, H / 16, groups2, 16}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kMoeChecks.Buffer("w13_row_corr", rc13, ffi::F32, "float32", {E, 2 * I}));
+  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.Buffer("w2_row_corr", rc2, ffi::F32, "float32", {E, H}));
   if (has_bias) {
-    RETURN_IF_ERROR(CheckBuffer("w13_bias", b13, ffi::F32, "float32", {E, 2 * I}));
-    RETURN_IF_ERROR(CheckBuffer("w2_bias", b2, ffi::F32, "float32", {E, H}));
+    JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.Buffer("w13_bias", b13, ffi::F32, "float32", {E, 2 * I}));
+    JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.Buffer("w2_bias", b2, ffi::F32, "float32", {E, H}));
   }
   const int64_t rows = cuda::W4a8MoeRows(p);
   const int64_t in_rows = cuda::W4a8MoeInputRows(p);
-  if (out->element_type() != x.element_type()) return Invalid(kMoe, "output dtype differs from x");
+  if (out->element_type() != x.element_type()) {
+    return kMoeChecks.Invalid("output dtype differs from x");
+  }
   if (out->dimensions().size() != 2 || out->dimensions()[0] != p.tokens ||
       out->dimensions()[1] != H) {
-    return Invalid(kMoe, "output must be [tokens, hidden], got " + Dims(out->dimensions()));
+    return kMoeChecks.Invalid("output must be [tokens, hidden], got " + Dims(out->dimensions()));
   }
   auto at_least = [](ffi::Result<ffi::AnyBuffer>& b, int64_t n, ffi::DataType t) {
     return b->element_type() == t && static_cast<int64_t>(b->element_count()) >= n;
@@ -133,21 +106,21 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   if (!at_least(sorted_ids, cuda::W4a8MoeMaxPadded(p), ffi::S32) ||
       !at_least(expert_ids, cuda::W4a8MoeMaxBlocks(p), ffi::S32) ||
       !at_least(num_post_padded, 1, ffi::S32)) {
-    return Invalid(kMoe, "alignment scratch too small or not int32 (sorted_ids needs " +
-                             std::to_string(cuda::W4a8MoeMaxPadded(p)) + ", expert_ids " +
-                             std::to_string(cuda::W4a8MoeMaxBlocks(p)) + ")");
+    return kMoeChecks.Invalid("alignment scratch too small or not int32 (sorted_ids needs " +
+                              std::to_string(cuda::W4a8MoeMaxPadded(p)) + ", expert_ids " +
+                              std::to_string(cuda::W4a8MoeMaxBlocks(p)) + ")");
   }
   if (!at_least(qx, in_rows * H, ffi::S8) || !at_least(x_params, in_rows * 2, ffi::F32)) {
-    return Invalid(kMoe, "input quantization scratch must hold " + std::to_string(in_rows) +
-                             " rows (int8 [rows, H] and float32 [rows, 2])");
+    return kMoeChecks.Invalid("input quantization scratch must hold " + std::to_string(in_rows) +
+                              " rows (int8 [rows, H] and float32 [rows, 2])");
   }
   if (!at_least(act, rows * I, x.element_type()) || !at_least(qact, rows * I, ffi::S8) ||
       !at_least(act_params, rows * 2, ffi::F32)) {
-    return Invalid(kMoe, "activation scratch must hold T * K rows of I (x's dtype and int8) and "
-                         "float32 [T * K, 2]");
+    return kMoeChecks.Invalid(
+        "activation scratch must hold T * K rows of I (x's dtype and int8) and float32 [T * K, 2]");
   }
   if (!at_least(ws2, rows * H, x.element_type())) {
-    return Invalid(kMoe, "ws2 scratch must hold T * K * H elements of x's dtype");
+    return kMoeChecks.Invalid("ws2 scratch must hold T * K * H elements of x's dtype");
   }
 
   p.x = x.untyped_data();
@@ -172,7 +145,7 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.act_params = static_cast<float*>(act_params->untyped_data());
   p.ws2 = ws2->untyped_data();
   err = cuda::RunW4a8Moe(p, stream);
-  if (!err.empty()) return ffi::Error::Internal(std::string(kMoe) + ": " + err);
+  if (!err.empty()) return kMoeChecks.Internal(err);
   return ffi::Error::Success();
 }
 
@@ -199,22 +172,24 @@ ffi::Error W4a8QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                 ffi::Result<ffi::AnyBuffer> params) {
   cuda::W4a8Dtype dtype;
   if (!DtypeOf(x.element_type(), &dtype)) {
-    return Invalid(kQuant, "x must be float32, bfloat16 or float16");
+    return kQuantChecks.Invalid("x must be float32, bfloat16 or float16");
   }
   const auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[1] <= 0) return Invalid(kQuant, "x must be [rows, cols], got " + Dims(xd));
+  if (xd.size() != 2 || xd[1] <= 0) {
+    return kQuantChecks.Invalid("x must be [rows, cols], got " + Dims(xd));
+  }
   const int64_t rows = xd[0], cols = xd[1];
   if (q->element_type() != ffi::S8 || static_cast<int64_t>(q->element_count()) != rows * cols) {
-    return Invalid(kQuant, "q must be int8 [rows, cols]");
+    return kQuantChecks.Invalid("q must be int8 [rows, cols]");
   }
   if (params->element_type() != ffi::F32 ||
       static_cast<int64_t>(params->element_count()) != rows * 2) {
-    return Invalid(kQuant, "params must be float32 [rows, 2]");
+    return kQuantChecks.Invalid("params must be float32 [rows, 2]");
   }
   const std::string err = cuda::RunW4a8QuantizeRows(
       dtype, x.untyped_data(), rows, cols, static_cast<int8_t*>(q->untyped_data()),
       static_cast<float*>(params->untyped_data()), stream);
-  if (!err.empty()) return Invalid(kQuant, err);
+  if (!err.empty()) return kQuantChecks.Invalid(err);
   return ffi::Error::Success();
 }
 

@@ -2,56 +2,19 @@
 // validate, enqueue the launchers of csrc/cuda on XLA's stream.
 #include <cuda_runtime.h>
 
-#include <limits>
 #include <string>
 #include <utility>
 
 #include "cuda/wna16_moe.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handler_checks.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_moeq::ffi_cuda {
 namespace {
 
-ffi::Error Invalid(const std::string& message) {
-  return ffi::Error::InvalidArgument("jax_moeq_wna16_moe_cuda: " + message);
-}
-
-std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-bool HasShape(ffi::AnyBuffer::Dimensions dims, std::initializer_list<int64_t> want) {
-  if (dims.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (dims[i++] != w) return false;
-  }
-  return true;
-}
-
-ffi::Error CheckShape(const char* name, const ffi::AnyBuffer& buffer,
-                      std::initializer_list<int64_t> want) {
-  if (HasShape(buffer.dimensions(), want)) return ffi::Error::Success();
-  std::string w = "[";
-  size_t i = 0;
-  for (int64_t v : want) w += (i++ ? ", " : "") + std::to_string(v);
-  return Invalid(std::string(name) + " has shape " + Dims(buffer.dimensions()) + ", expected " +
-                 w + "]");
-}
-
-bool FitsInt(int64_t v) {
-  return v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max();
-}
-
-#define RETURN_IF_ERROR(expr)          \
-  do {                                 \
-    ffi::Error _e = (expr);            \
-    if (_e.failure()) return _e;       \
-  } while (0)
+const TargetChecks kChecks("jax_moeq_wna16_moe_cuda");
 
 ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer route_ids,
                         ffi::AnyBuffer route_weights, ffi::AnyBuffer w13, ffi::AnyBuffer s13,
@@ -72,15 +35,13 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"block_m", block_m}, {"split13", split13},
         {"split2", split2}, {"activation_kind", activation_kind}, {"mainloop", mainloop}}) {
-    if (!FitsInt(value)) {
-      return Invalid(std::string(name) + " " + std::to_string(value) + " is out of range");
-    }
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr(name, value));
   }
   cuda::Wna16MoeProblem p;
   switch (x.element_type()) {
     case ffi::BF16: p.dtype = cuda::HalfKind::kBF16; break;
     case ffi::F16: p.dtype = cuda::HalfKind::kF16; break;
-    default: return Invalid("x must be bfloat16 or float16");
+    default: return kChecks.Invalid("x must be bfloat16 or float16");
   }
   const auto xd = x.dimensions();
   p.batched = batched;
@@ -100,90 +61,98 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   p.fused_decode = fused_decode;
   const int64_t H = hidden_size, I = intermediate_size;
   const auto w13d = w13.dimensions();
-  if (w13d.size() != 5) return Invalid("w13 must be packed [E, 2I/16, H/64, 32, 4] uint32");
+  if (w13d.size() != 5) return kChecks.Invalid("w13 must be packed [E, 2I/16, H/64, 32, 4] uint32");
   p.experts = w13d[0];
   const int64_t E = p.experts;
   if (batched) {
     if (xd.size() != 3 || xd[0] != E || xd[2] != H) {
-      return Invalid("batched x must be [E, max_tokens, hidden], got " + Dims(xd));
+      return kChecks.Invalid("batched x must be [E, max_tokens, hidden], got " + Dims(xd));
     }
     p.tokens = xd[1];
     p.top_k = 1;
-    if (route_ids.element_type() != ffi::S32) return Invalid("expert_num_tokens must be int32");
-    RETURN_IF_ERROR(CheckShape("expert_num_tokens", route_ids, {E}));
+    if (route_ids.element_type() != ffi::S32) {
+      return kChecks.Invalid("expert_num_tokens must be int32");
+    }
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("expert_num_tokens", route_ids, {E}));
   } else {
-    if (xd.size() != 2 || xd[1] != H) return Invalid("x must be [tokens, hidden], got " + Dims(xd));
+    if (xd.size() != 2 || xd[1] != H) {
+      return kChecks.Invalid("x must be [tokens, hidden], got " + Dims(xd));
+    }
     p.tokens = xd[0];
-    if (route_ids.element_type() != ffi::S32) return Invalid("topk_ids must be int32");
-    if (route_weights.element_type() != ffi::F32) return Invalid("topk_weights must be float32");
+    if (route_ids.element_type() != ffi::S32) return kChecks.Invalid("topk_ids must be int32");
+    if (route_weights.element_type() != ffi::F32) {
+      return kChecks.Invalid("topk_weights must be float32");
+    }
     const auto id = route_ids.dimensions();
     if (id.size() != 2 || id[0] != p.tokens) {
-      return Invalid("topk_ids must be [tokens, top_k], got " + Dims(id));
+      return kChecks.Invalid("topk_ids must be [tokens, top_k], got " + Dims(id));
     }
     p.top_k = id[1];
-    RETURN_IF_ERROR(CheckShape("topk_weights", route_weights, {p.tokens, p.top_k}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("topk_weights", route_weights, {p.tokens, p.top_k}));
   }
   std::string err = cuda::ValidateWna16MoeProblem(p);
-  if (!err.empty()) return Invalid(err);
+  if (!err.empty()) return kChecks.Invalid(err);
 
-  RETURN_IF_ERROR(CheckShape("w13", w13, {E, 2 * I / 16, H / 64, 32, 4}));
-  RETURN_IF_ERROR(CheckShape("w2", w2, {E, H / 16, I / 64, 32, 4}));
-  RETURN_IF_ERROR(CheckShape("w13_scales", s13, {E, groups13, 2 * I / 16, 16}));
-  RETURN_IF_ERROR(CheckShape("w2_scales", s2, {E, groups2, H / 16, 16}));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w13", w13, {E, 2 * I / 16, H / 64, 32, 4}));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w2", w2, {E, H / 16, I / 64, 32, 4}));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w13_scales", s13, {E, groups13, 2 * I / 16, 16}));
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w2_scales", s2, {E, groups2, H / 16, 16}));
   if (s13.element_type() != x.element_type() || s2.element_type() != x.element_type()) {
-    return Invalid("scales must have x's dtype");
+    return kChecks.Invalid("scales must have x's dtype");
   }
   if (has_zeros) {
-    RETURN_IF_ERROR(CheckShape("w13_zeros", z13, {E, groups13, 2 * I / 16, 16}));
-    RETURN_IF_ERROR(CheckShape("w2_zeros", z2, {E, groups2, H / 16, 16}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w13_zeros", z13, {E, groups13, 2 * I / 16, 16}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w2_zeros", z2, {E, groups2, H / 16, 16}));
     if (z13.element_type() != x.element_type() || z2.element_type() != x.element_type()) {
-      return Invalid("zero points must have x's dtype");
+      return kChecks.Invalid("zero points must have x's dtype");
     }
   }
   if (has_bias) {
-    RETURN_IF_ERROR(CheckShape("w13_bias", b13, {E, 2 * I}));
-    RETURN_IF_ERROR(CheckShape("w2_bias", b2, {E, H}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w13_bias", b13, {E, 2 * I}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w2_bias", b2, {E, H}));
     if (b13.element_type() != ffi::F32 || b2.element_type() != ffi::F32) {
-      return Invalid("biases must be float32");
+      return kChecks.Invalid("biases must be float32");
     }
   }
   if (act_order) {
-    RETURN_IF_ERROR(CheckShape("w13_perm", perm13, {E, H}));
-    RETURN_IF_ERROR(CheckShape("w2_inv_perm", inv_perm2, {E, I}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w13_perm", perm13, {E, H}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w2_inv_perm", inv_perm2, {E, I}));
     if (perm13.element_type() != ffi::S32 || inv_perm2.element_type() != ffi::S32) {
-      return Invalid("act-order permutations must be int32");
+      return kChecks.Invalid("act-order permutations must be int32");
     }
   }
   const int64_t rows = cuda::Wna16MoeRows(p);
-  if (out->element_type() != x.element_type()) return Invalid("output dtype differs from x");
+  if (out->element_type() != x.element_type()) {
+    return kChecks.Invalid("output dtype differs from x");
+  }
   if (batched) {
-    RETURN_IF_ERROR(CheckShape("output", *out, {E, p.tokens, H}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("output", *out, {E, p.tokens, H}));
   } else {
-    RETURN_IF_ERROR(CheckShape("output", *out, {p.tokens, H}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("output", *out, {p.tokens, H}));
   }
   if (sorted_ids->element_count() < cuda::Wna16MoeMaxPadded(p) ||
       expert_ids->element_count() < cuda::Wna16MoeMaxBlocks(p) ||
       num_post_padded->element_count() < 1) {
-    return Invalid("alignment scratch too small (sorted_ids needs " +
-                   std::to_string(cuda::Wna16MoeMaxPadded(p)) + ", expert_ids " +
-                   std::to_string(cuda::Wna16MoeMaxBlocks(p)) + ")");
+    return kChecks.Invalid("alignment scratch too small (sorted_ids needs " +
+                           std::to_string(cuda::Wna16MoeMaxPadded(p)) + ", expert_ids " +
+                           std::to_string(cuda::Wna16MoeMaxBlocks(p)) + ")");
   }
   if (act->element_count() < rows * I || act->element_type() != x.element_type()) {
-    return Invalid("act scratch must hold rows * I elements of x's dtype");
+    return kChecks.Invalid("act scratch must hold rows * I elements of x's dtype");
   }
   const int64_t perm_rows = cuda::Wna16MoePermutedRows(p);
   if (static_cast<int64_t>(x_perm->element_count()) < perm_rows * H) {
-    return Invalid("x_perm scratch must hold " + std::to_string(perm_rows * H) +
-                   " elements (act-order or block_m 128)");
+    return kChecks.Invalid("x_perm scratch must hold " + std::to_string(perm_rows * H) +
+                           " elements (act-order or block_m 128)");
   }
   if (const int64_t floats = cuda::Wna16MoeWs13Floats(p);
       static_cast<int64_t>(ws13->element_count()) < floats) {
-    return Invalid("ws13 scratch must hold " + std::to_string(floats) +
-                   " floats (rows * 2I, then rows * I / 16 counters at one token) when "
-                   "split13 > 1");
+    return kChecks.Invalid("ws13 scratch must hold " + std::to_string(floats) +
+                           " floats (rows * 2I, then rows * I / 16 counters at one token) when "
+                           "split13 > 1");
   }
   if (static_cast<int64_t>(ws2->element_count()) < cuda::Wna16MoeWs2Floats(p)) {
-    return Invalid("ws2 scratch must hold rows * H + H / 32 floats");
+    return kChecks.Invalid("ws2 scratch must hold rows * H + H / 32 floats");
   }
 
   p.x = x.untyped_data();
@@ -209,7 +178,7 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   p.ws13 = static_cast<float*>(ws13->untyped_data());
   p.ws2 = static_cast<float*>(ws2->untyped_data());
   err = cuda::RunWna16Moe(p, stream);
-  if (!err.empty()) return ffi::Error::Internal("jax_moeq_wna16_moe_cuda: " + err);
+  if (!err.empty()) return kChecks.Internal(err);
   return ffi::Error::Success();
 }
 
