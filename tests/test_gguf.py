@@ -15,7 +15,8 @@ from jax_moeq import models
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package (jax_moeq[llama])")
 torch = pytest.importorskip("torch", reason="the checkpoints are made by transformers (torch)")
-transformers = pytest.importorskip("transformers", reason="the checkpoints are made by transformers")
+transformers = pytest.importorskip("transformers",
+                                   reason="the checkpoints are made by transformers")
 
 from jax_moeq.models import gguf as gguf_export  # noqa: E402
 

@@ -34,11 +34,14 @@ file, so a model larger than memory converts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -356,10 +359,31 @@ def _quantize_with_llama_cpp(src: Path, out_path: Path, qtype: str, threads: int
   params = llama_cpp.llama_model_quantize_default_params()
   params.ftype = LLAMA_FTYPES[qtype]
   params.nthread = threads
-  rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out_path).encode(), params)
+  with _native_output_to(out_path.with_suffix(".quantize.log")) as log_path:
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out_path).encode(), params)
   if rc != 0:
+    tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-5:])
     raise RuntimeError(f"llama.cpp's llama_model_quantize({src} -> {out_path}, {qtype}) failed "
-                       f"with code {rc}")
+                       f"with code {rc}: {tail}")
+  log_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _native_output_to(path: Path) -> Iterator[Path]:
+  """Sends the process's stdout and stderr (llama.cpp logs a line per tensor) to `path`."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  with open(path, "wb") as f:
+    os.dup2(f.fileno(), 1)
+    os.dup2(f.fileno(), 2)
+    try:
+      yield path
+    finally:
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      for fd in saved:
+        os.close(fd)
 
 
 def _choose_quantizer(qtype: str, quantizer: str) -> str:
@@ -396,7 +420,8 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *
   if not checkpoint_dir.is_dir():
     raise FileNotFoundError(f"{checkpoint_dir} is not a checkpoint directory")
   if qtype not in GGUF_QTYPES and qtype not in LLAMA_FTYPES:
-    raise ValueError(f"qtype={qtype!r} is not one of {sorted(set(GGUF_QTYPES) | set(LLAMA_FTYPES))}")
+    known = sorted(set(GGUF_QTYPES) | set(LLAMA_FTYPES))
+    raise ValueError(f"qtype={qtype!r} is not one of {known}")
   used = _choose_quantizer(qtype, quantizer)
   cfg = _read_config(checkpoint_dir)
   ckpt = _Checkpoint(checkpoint_dir, cfg)
