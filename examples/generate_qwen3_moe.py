@@ -1,4 +1,4 @@
-"""Generate with a Qwen3-MoE checkpoint: float experts vs int4 experts on the CPU W4A8 kernel.
+"""Generate with a Qwen3-MoE checkpoint: float vs every linear int4 on the CPU W4A8 kernels.
 
 Without --model the script first writes a small Qwen3-MoE checkpoint with random weights (normal,
 std 0.02; norm weights near 1): `config.json`, `generation_config.json` and `model.safetensors`
@@ -9,11 +9,17 @@ file is written here (an 8-byte little-endian header length, a JSON header
 reads a float qwen3_moe / mixtral / olmoe checkpoint directory instead (both models are held in
 memory at once).
 
-It then loads the directory twice with `jax_moeq.models.from_pretrained`: as stored (float MoE
-blocks) and with `quantization="w4a8_int8"` (experts quantized to int4 while loading, run by the
-CPU W4A8 kernel), generates greedily from the same prompts with both, and prints decode and
-prefill tok/s, the int4 speed-up, the MoE backends, and how closely the two models' logits on the
-prompts agree (relative Frobenius difference, argmax agreement).
+It then loads the directory three times with `jax_moeq.models.from_pretrained`: as stored
+(float), with its experts quantized to int4 while loading (`quantization="w4a8_int8"`: the fused
+CPU W4A8 MoE kernel), and with every linear int4 (`quantize_linears=True,
+lm_head_quantization="int4"`: attention, dense MLPs and the LM head on the CPU W4A8 dense-linear
+kernel too, attention math and KV cache in bfloat16). It generates greedily from the same prompts
+with each, and prints decode and prefill tok/s, the int4 speed-ups, the backends, and how closely
+the int4 models' logits on the prompts agree with float (relative Frobenius difference, argmax
+agreement). Where `llama-cpp-python` and `gguf` are installed (`pip install ".[llama]"`), the
+checkpoint is also written as a Q4_0 GGUF (every linear Q4_0, the LM head included, as ours) and
+llama.cpp's decode and prompt tok/s on the first prompt are printed beside ours, with the same
+thread count.
 
 Run: python examples/generate_qwen3_moe.py [--model DIR] [--layers 2 --experts 64 ...]
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -193,6 +200,40 @@ def timed_generate(named_models: Mapping[str, Any], prompts: np.ndarray, new_tok
   return runs
 
 
+def llama_cpp_rates(path: Path, prompt: np.ndarray, new_tokens: int, repeats: int,
+                    threads: int) -> dict[str, Any] | None:
+  """llama.cpp's prompt and decode tok/s on a Q4_0 GGUF of the checkpoint (one prompt row, best
+  of `repeats` after a warm-up), or None when llama-cpp-python or gguf is not installed."""
+  import importlib.util
+  if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
+    return None
+  from llama_cpp import Llama
+  from jax_moeq.models.gguf import write_gguf
+  with tempfile.TemporaryDirectory(prefix="gguf_") as tmp:
+    gguf_path = Path(tmp) / "model-q4_0.gguf"
+    write_gguf(path, gguf_path, qtype="Q4_0", quantizer="gguf")
+    llm = Llama(model_path=str(gguf_path), n_ctx=len(prompt) + new_tokens + 8,
+                n_batch=max(64, len(prompt)), n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+    ids = [int(t) for t in prompt]
+    best = [math.inf, math.inf]
+    for rep in range(repeats + 1):  # the first round warms up
+      llm.reset()
+      start = time.perf_counter()
+      llm.eval(ids)
+      token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+      mid = time.perf_counter()
+      for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+      end = time.perf_counter()
+      if rep:
+        best = [min(best[0], mid - start), min(best[1], end - mid)]
+    del llm
+  return {"prefill_tok_s": len(ids) / best[0],
+          "decode_tok_s": (new_tokens - 1) / best[1] if new_tokens > 1 else 0.0}
+
+
 def prompt_logits(model, prompts: np.ndarray) -> np.ndarray:
   """The model's float32 logits [B, S, V] on the prompts (one jitted forward)."""
   from flax import nnx
@@ -237,53 +278,80 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--repeats", type=int, default=3,
                  help="timed generate calls per model, alternating between the models")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
+                 help="skip the llama.cpp comparison even where llama-cpp-python is installed")
   return p.parse_args(argv)
 
 
-def _load(path: Path, quantization: str | None, dtype: str):
+# name -> from_pretrained keywords
+VARIANTS: dict[str, dict[str, Any]] = {
+    "float": {},
+    "w4a8_int8": {"quantization": "w4a8_int8"},
+    "all_int4": {"quantization": "w4a8_int8", "quantize_linears": True,
+                 "lm_head_quantization": "int4"},
+}
+
+
+def _load(path: Path, dtype: str, **kw):
   from jax_moeq import models
   start = time.perf_counter()
-  model = models.from_pretrained(path, dtype=dtype, quantization=quantization,
-                                 show_progress=False)
+  model = models.from_pretrained(path, dtype=dtype, show_progress=False, **kw)
   return model, time.perf_counter() - start
 
 
 def run(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-  """Loads `path` float and int4, generates with both, compares."""
+  """Loads `path` float, with int4 experts and with every linear int4; generates; compares."""
   import jax
-  float_model, float_load_s = _load(path, None, args.dtype)
-  int4_model, int4_load_s = _load(path, "w4a8_int8", args.dtype)
+  loaded = {name: _load(path, args.dtype, **kw) for name, kw in VARIANTS.items()}
+  named = {name: model for name, (model, _) in loaded.items()}
+  float_model = named["float"]
   cfg = float_model.config
   prompts = np.random.default_rng(args.seed).integers(
       0, cfg.vocab_size, (args.batch, args.prompt_len), dtype=np.int32)
-  runs = timed_generate({"float": float_model, "w4a8_int8": int4_model}, prompts,
-                        args.max_new_tokens, args.repeats)
-  agreement = logit_agreement(prompt_logits(int4_model, prompts),
-                              prompt_logits(float_model, prompts))
-  same_prefix = common_prefix(runs["w4a8_int8"]["tokens"], runs["float"]["tokens"])
-  backends = {**float_model.moe_backends(), **int4_model.moe_backends()}
-  f, q = runs["float"], runs["w4a8_int8"]
+  runs = timed_generate(named, prompts, args.max_new_tokens, args.repeats)
+  reference_logits = prompt_logits(float_model, prompts)
+  agreement = {name: logit_agreement(prompt_logits(named[name], prompts), reference_logits)
+               for name in VARIANTS if name != "float"}
+  same_prefix = {name: common_prefix(runs[name]["tokens"], runs["float"]["tokens"])
+                 for name in agreement}
+  backends = {}
+  for model in named.values():
+    backends.update(model.moe_backends())
+  linear_backends = named["all_int4"].linear_backends()
+  threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  llama = llama_cpp_rates(path, prompts[0], args.max_new_tokens, args.repeats,
+                          threads) if args.llama_cpp else None
   print(f"model: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_experts} experts (top-{cfg.top_k}, {cfg.moe_intermediate_size} wide), "
         f"vocab {cfg.vocab_size}, {float_model.dtype} on {jax.default_backend()} "
         f"({jax.device_count()} device)")
-  print(f"loaded in {float_load_s:.1f} s (float) and {int4_load_s:.1f} s (quantizing the "
-        f"experts to int4); MoE backends: {backends}")
+  print("loaded in " + ", ".join(f"{load_s:.1f} s ({name})" for name, (_, load_s)
+                                 in loaded.items())
+        + f"; MoE backends: {backends}; linear backends (all_int4): {linear_backends}")
   print(f"batch {args.batch}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
         f"(greedy), best of {args.repeats} alternating calls after compiling")
   for name, r in runs.items():
     print(f"  {name:9s}  decode tok/s {r['decode_tok_s']:8.1f}   prefill tok/s "
           f"{r['prefill_tok_s']:8.1f}   compile {r['compile_s']:.1f} s")
-  speedup = q["decode_tok_s"] / f["decode_tok_s"]
-  print(f"int4 decode speed-up: {speedup:.2f}x; prefill: "
-        f"{q['prefill_tok_s'] / f['prefill_tok_s']:.2f}x")
-  print(f"logits on the prompts, int4 vs float: relative Frobenius difference "
-        f"{agreement['rel_frobenius']:.3f}, argmax agreement {agreement['argmax_agreement']:.1%}; "
-        f"greedy tokens equal for the first {same_prefix:.1f} of {args.max_new_tokens} (mean over "
-        "rows)")
-  return {"float": f, "w4a8_int8": q, "speedup": speedup, "backends": backends,
-          "same_prefix": same_prefix, "load_s": {"float": float_load_s, "w4a8_int8": int4_load_s},
-          **agreement}
+  if llama is not None:
+    print(f"  {'llama.cpp':9s}  decode tok/s {llama['decode_tok_s']:8.1f}   prompt tok/s "
+          f"{llama['prefill_tok_s']:8.1f}   (Q4_0 GGUF, every linear Q4_0, batch 1, "
+          f"{threads} threads)")
+  f = runs["float"]
+  speedups = {name: runs[name]["decode_tok_s"] / f["decode_tok_s"] for name in agreement}
+  for name in agreement:
+    q, a = runs[name], agreement[name]
+    print(f"{name}: decode speed-up over float {speedups[name]:.2f}x, prefill "
+          f"{q['prefill_tok_s'] / f['prefill_tok_s']:.2f}x; logits on the prompts vs float: "
+          f"relative Frobenius difference {a['rel_frobenius']:.3f}, argmax agreement "
+          f"{a['argmax_agreement']:.1%}; greedy tokens equal for the first "
+          f"{same_prefix[name]:.1f} of {args.max_new_tokens} (mean over rows)")
+  if llama is not None and args.batch == 1:
+    print(f"all_int4 decode over llama.cpp Q4_0: "
+          f"{runs['all_int4']['decode_tok_s'] / llama['decode_tok_s']:.2f}x")
+  return {**runs, "speedup": speedups, "backends": backends, "linear_backends": linear_backends,
+          "same_prefix": same_prefix, "agreement": agreement, "llama_cpp": llama,
+          "load_s": {name: load_s for name, (_, load_s) in loaded.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
