@@ -37,7 +37,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,driver_version --
 
 if has test; then
   start=$(date +%s)
-  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest tests/test_wna16_linear_gpu.py ${TEST_ARGS:-} -q -rs \
+  timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_wna16_linear_gpu.py ${TEST_ARGS:-} -q -rs \
     --durations=5 2>&1 | tee "$OUT/test.log" | tail -30
   summary+=("tests: $(tail -1 "$OUT/test.log") ($(( $(date +%s) - start )) s)")
   # The fused MoE's tests of the GEMM paths the dense linear shares (its row and expert lookups

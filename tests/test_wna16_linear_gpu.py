@@ -174,6 +174,8 @@ def test_launch_rule(monkeypatch):
   assert wl.choose_linear_launch(2048, 5120, 2048) == (128, wgmma, 1)
   assert wl.choose_linear_launch(256, 2048, 4096) == (64, wgmma, 1)
   assert wl.choose_linear_launch(256, 151936, 2048) == (128, wgmma, 1)
+  assert wl.choose_linear_launch(256, 12288, 2048) == (128, wgmma, 1)  # 96 CTAs
+  assert wl.choose_linear_launch(256, 5120, 2048) == (64, wgmma, 1)  # 40 CTAs at 128 rows
   # 64 rows: the wgmma 64-row tile on N = 5120 (20 CTAs), mma.sync with split-K on N = 2048.
   assert wl.choose_linear_launch(64, 5120, 2048) == (64, wgmma, 1)
   block_m, loop, split = wl.choose_linear_launch(64, 2048, 4096)
@@ -250,18 +252,6 @@ def test_every_launch(launch, group_size):
   y = wl.wna16_linear(x, _pack(t, dtype), block_m=block_m, mainloop=mainloop, split=split)
   tol = _tol_for(rows, n, k, dtype, block_m=block_m, mainloop=mainloop, split=split)
   _check(y, _reference(x, t), tol)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, n, k", [(1, 2048, 4096), (3, 5120, 2048), (64, 2048, 4096),
-                                        (300, 5120, 2048)])
-def test_model_shapes(rows, n, k):
-  """Qwen3-30B-A3B's o_proj and fused q/k/v at decode and prefill (split-K up to 16 ways)."""
-  t = _make_linear(_key("model", rows, n, k), n, k, 128, bias=True)
-  x = jax.random.normal(_key("xm", rows, n), (rows, k), jnp.float32).astype(jnp.bfloat16)
-  _check(wl.wna16_linear(x, _pack(t, jnp.bfloat16)), _reference(x, t),
-         _tol_for(rows, n, k, jnp.bfloat16))
 
 
 @gpu
@@ -357,3 +347,16 @@ def test_handler_rejects_bad_input(case, match):
   out_shape = case.pop("out_shape", None)
   with pytest.raises(Exception, match="jax_moeq_wna16_linear_cuda: .*" + match):
     jax.block_until_ready(_bare_call(x, w, scales=scales, out_shape=out_shape, **case))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, n, k", [(1, 2048, 4096), (3, 5120, 2048), (64, 2048, 4096),
+                                        (300, 5120, 2048)])
+def test_model_shapes(rows, n, k):
+  """Qwen3-30B-A3B's o_proj and fused q/k/v at decode and prefill (split-K up to 16 ways). Last
+  in the file: the largest inputs (packing and the f32 reference at these sizes)."""
+  t = _make_linear(_key("model", rows, n, k), n, k, 128, bias=True)
+  x = jax.random.normal(_key("xm", rows, n), (rows, k), jnp.float32).astype(jnp.bfloat16)
+  _check(wl.wna16_linear(x, _pack(t, jnp.bfloat16)), _reference(x, t),
+         _tol_for(rows, n, k, jnp.bfloat16))

@@ -164,14 +164,19 @@ def pack_wna16_linear(q: Array, scale: Array, group_size: int, *, g_idx: Array |
 
 # ------------------------------------------------------------------ launch choice
 # Launch rule of the dense linear, from the H100 (2026-11-26, bf16, group 128, us per call with
-# weights colder than L2; benchmarks/gpu_linear_bench.py --variants) on Qwen3-30B-A3B's shapes:
-#   M = 64: wgmma 64-row tile 24.6 vs mma.sync block_m 32 33.5 / 64 40.4 at N = 5120 (20 CTAs);
-#     at N = 2048 (8 CTAs) the mma.sync GEMM with split-K wins (31.2 / 33.0 vs 43.5 / 64.7 wgmma),
-#     block_m 32 ahead of 64 on all four shapes; the LM head: wgmma 64 121 vs 128 149.
-#   M = 256: wgmma 64-row tile 25.0 / 44.3 / 64.8 vs 128-row 31.9 / 56.5 / 83.0 where the 128-row
-#     launch has 16-40 CTAs; the LM head (1188 CTAs): 128-row 312 vs 64-row 428.
-#   M = 16: mma.sync block_m 16 with split-K 16.7-17.0 vs wgmma 32-row tile 19.8 at N = 5120;
-#     the LM head: wgmma 32-row 82.6 vs mma.sync 86.9.
+# weights colder than L2; benchmarks/gpu_linear_bench.py --variants, two runs) on Qwen3-30B-A3B's
+# shapes and a dense MLP of hidden 2048 (gate/up N = 12288, down K = 6144):
+#   M = 16: mma.sync block_m 16 with split-K 13.5-21 vs the wgmma 32-row tile 19.7-53 on N <= 12288
+#     (the same launch measured 14.5-18.7 in two processes: small calls vary by ~25 %); the LM
+#     head: wgmma 32-row 82.5-83.0 vs mma.sync 86.9.
+#   M = 64: wgmma 64-row tile 24.1 / 25.3 vs mma.sync block_m 32 33.5 / 43.1 at N = 5120 / 12288
+#     (20 / 48 CTAs); at N = 2048 (8 CTAs) mma.sync block_m 32 with split-K 31.1 / 32.6 vs wgmma
+#     42.9 / 64.8 (block_m 32 ahead of 64 on all four shapes of the first run); the LM head: wgmma
+#     64-row 118-121 vs 128-row 149.
+#   M = 256: wgmma 64-row tile 24.8 / 44.1 / 65.3 vs 128-row 31.9 / 56.4 / 82.9 where the 128-row
+#     launch has 40 / 16 / 16 CTAs; 128-row 33.2 vs 64-row 45.4 at 96 CTAs (gate/up) and 309 vs
+#     431 on the LM head.
+#   M = 2048 (128-row launches of 128-9496 CTAs): 128-row 77.5-2458 vs 64-row 100.7-3325.
 # Rows up to which the mma.sync GEMM at block_m 8 streams the weights once per call, as the MoE's
 # decode blocks do (_gpu_launch.BLOCK_FILL of 8 rows).
 MMA_BLOCK8_MAX_ROWS = int(_gpu_launch.BLOCK_FILL * 8)
@@ -183,8 +188,8 @@ MMA_BLOCK16_MAX_ROWS = 16
 WGMMA_SMALL_TILE_MAX_ROWS = 64
 WGMMA_MIN_CTAS = 16
 # Beyond: the 128-row tile where its launch has at least this fraction of a wave (one CTA per SM),
-# else the 64-row tile (twice the CTAs).
-WGMMA_TILE128_MIN_WAVE = 0.75
+# else the 64-row tile (twice the CTAs); measured crossover between 40 and 96 CTAs (132 SMs).
+WGMMA_TILE128_MIN_WAVE = 0.5
 MMA_BLOCK_MS = (8, 16, 32, 64)
 
 
@@ -226,9 +231,9 @@ def choose_linear_launch(rows: int, out_features: int, in_features: int, *,
   MMA_BLOCK8_MAX_ROWS rows (one block streams the weights once) and at block_m 16 up to
   MMA_BLOCK16_MAX_ROWS; then the wgmma GEMM's 32- or 64-row tile where that launch has enough CTAs
   (else the mma.sync GEMM at block_m 32), and beyond WGMMA_SMALL_TILE_MAX_ROWS rows its 128-row
-  tile where that launch fills most of a wave, else the 64-row tile. A dense linear is one
-  "expert": at few rows its launches hold few CTAs, which split-K (mma.sync only) or the smaller
-  tile multiplies. Split-K as the MoE chooses it (_gpu_launch.choose_split; 1 in deterministic
+  tile where that launch has at least half a wave of CTAs, else the 64-row tile. A dense linear
+  is one "expert": at few rows its launches hold few CTAs, which split-K (mma.sync only) or the
+  smaller tile multiplies. Split-K as the MoE chooses it (_gpu_launch.choose_split; 1 in deterministic
   mode and on the wgmma GEMM). Explicit block_m / mainloop / split (benchmarks, tests) are taken
   as given (ValueError for ones the kernels do not take).
   """
