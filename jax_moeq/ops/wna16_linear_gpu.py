@@ -230,12 +230,12 @@ def choose_linear_launch(rows: int, out_features: int, in_features: int, *,
   Automatic (block_m and mainloop None, `_automatic_launch`): the mma.sync GEMM at block_m 8 up to
   MMA_BLOCK8_MAX_ROWS rows (one block streams the weights once) and at block_m 16 up to
   MMA_BLOCK16_MAX_ROWS; then the wgmma GEMM's 32- or 64-row tile where that launch has enough CTAs
-  (else the mma.sync GEMM at block_m 32), and beyond WGMMA_SMALL_TILE_MAX_ROWS rows its 128-row
-  tile where that launch has at least half a wave of CTAs, else the 64-row tile. A dense linear
-  is one "expert": at few rows its launches hold few CTAs, which split-K (mma.sync only) or the
-  smaller tile multiplies. Split-K as the MoE chooses it (_gpu_launch.choose_split; 1 in
-  deterministic mode and on the wgmma GEMM). Explicit block_m / mainloop / split (benchmarks, tests) are taken
-  as given (ValueError for ones the kernels do not take).
+  (else the mma.sync GEMM at block_m 32), and beyond WGMMA_SMALL_TILE_MAX_ROWS rows its 128-row tile
+  where that launch has at least half a wave of CTAs, else the 64-row tile. A dense linear is one
+  "expert": at few rows its launches hold few CTAs, which split-K (mma.sync only) or the smaller
+  tile multiplies. Split-K as the MoE chooses it (_gpu_launch.choose_split; 1 in deterministic mode
+  and on the wgmma GEMM). Explicit block_m / mainloop / split (benchmarks, tests) are taken as given
+  (ValueError for ones the kernels do not take).
   """
   if block_m is None and mainloop is None:
     block_m, mainloop_id = _automatic_launch(rows, out_features)
