@@ -48,6 +48,22 @@ def test_cpu_bench_runs_on_a_tiny_shape(tmp_path):
   assert "check at T=3: kernel vs jnp reference" in report
 
 
+def test_cpu_linear_bench_runs_on_a_tiny_shape():
+  bench = BENCH.parent / "cpu_linear_bench.py"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, str(bench), "--shapes", "tiny", "--tokens", "1,3", "--chain", "2",
+         "--target-seconds", "0.02", "--bandwidth-bytes", str(16 << 20), "--threads", "1",
+         "--json"]
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["threads"] == 1 and result["read_gbps"]["best"] > 0
+  assert [r["m"] for r in result["rows"]] == [1, 3]
+  for r in result["rows"]:
+    assert r["ours_us"] > 0 and r["xla_f32_us"] > 0 and r["xla_bf16_us"] > 0
+  assert "| tiny | 256 | 256 | 1 |" in out.stdout and "% read bw" in out.stdout
+
+
 def test_ep_dispatch_bench_runs_on_a_tiny_layer(tmp_path):
   bench = BENCH.parent / "ep_dispatch_bench.py"
   cmd = [sys.executable, str(bench), "--devices", "4", "--tokens", "3,16", "--experts", "8",
