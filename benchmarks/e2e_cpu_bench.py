@@ -28,9 +28,15 @@ model, warms up (compilation, llama.cpp's first evals) and then times, once:
 - batch-1 decode: `--decode-tokens` (128) steps after the prompt (jax_moeq: `generate`'s decode
   loop, greedy, EOS off; llama.cpp: 128 single-token `Llama.eval` calls of fixed ids, no sampler).
 The median over rounds is printed, with the best. Beside it: the weight bytes a decode step reads
-(top-k/E of each layer's experts, the other weights whole, one embedding row) and that volume over
-the DRAM read bandwidth measured in this run on the same cores (`_timing.read_bandwidth_gbps`),
-as % of the roofline.
+(top-k/E of each layer's experts, the other weights whole, one embedding row; the KV cache, under
+1 % here, is left out) and that volume over the DRAM read bandwidth measured in this run on the
+same cores (`_timing.read_bandwidth_gbps`), as % of the roofline. Models that fit in the
+last-level cache (`--quick`) read faster than DRAM: their % is no roofline figure.
+
+Disk and memory: the checkpoint is ~1.23 GB per layer plus 1.25 GB (48 layers: 60 GB); each
+llama.cpp-quantized GGUF is written from a temporary BF16 GGUF of the same size (deleted after);
+Q4_0 / Q4_K_M files are ~0.3 GB per layer. No process holds the float model: the checkpoint is
+written and converted a layer at a time, and jax_moeq quantizes while loading.
 
 Cross-check (`--cross-check-layers`, 2 by default, 0 skips): a 2-layer checkpoint of the same
 shapes; the logits of a short prompt from llama.cpp (an F32 GGUF, F32 KV cache) against
