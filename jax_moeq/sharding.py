@@ -1,5 +1,15 @@
 """Expert- and tensor-parallel MoE over a `jax.sharding.Mesh`, with the kernels running per shard.
 
+Every scheme (W4A8 on CPU and GPU, WNA16, MxInt4, and their references) runs sharded through
+`shard_experts` / `moe_sharded` (the "any experts class" section below): the scheme's oracle
+chooses the experts class for one shard's share of the layer, its `prepare` converts each
+device's share on that device, and each shard runs its `apply_routed` (MxInt4: `apply`, routing
+inside the kernel with the rank's expert offset). `shard_quantized_moe` and the models
+(`from_pretrained(mesh=...)`) use it. The W4A8-only functions (`shard_w4a8_weights`,
+`w4a8_moe_sharded`) and the float helpers (`shard_float_weights`, `experts_sharded`) shard the
+CPU op and plain functions directly; the dispatch machinery (`_ep_apply`, `_a2a_pair_outputs`)
+below is shared by all.
+
 Expert parallelism (EP, `expert_axis`): the E experts are split into n_ep contiguous blocks, one per
 shard. Every shard sees all tokens (replicated), remaps the global expert ids to its local ids, and
 sends pairs routed elsewhere to a *null expert*: an extra local expert whose int4 weights, scales'
@@ -62,7 +72,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_moeq import reference
-from jax_moeq.experts.cpu_int4 import w4a8_scales
 from jax_moeq.ops import w4a8_cpu
 from jax_moeq.weights import fold_w2_act_order
 
@@ -286,11 +295,12 @@ def shard_w4a8_weights(w13_weight: Array, w2_weight: Array, w13_weight_scale: Ar
 
 def _ep_apply(run: Callable[[Array, Array, Array], Array], x: Array, topk_ids: Array,
               topk_weights: Array, local_experts: int, axis: str | None, n_ep: int,
-              capacity_factor: float | None) -> Array:
+              capacity_factor: float | None, null_id: int | None = None) -> Array:
   """This shard's float32 [T, H] contribution: `run(x, ids, weights)` on its local experts.
 
   Global ids become local ids; pairs routed to other shards go to the null expert (id
-  `local_experts`), which contributes exactly 0. With a `capacity_factor`, the shard first tries
+  `local_experts`, or `null_id`: -1 for kernels that skip ids outside [0, E)), which contributes
+  exactly 0. With a `capacity_factor`, the shard first tries
   a compacted call: its local (token, slot) pairs, at most C = ceil(capacity_factor * T*K / n_ep)
   of them, each as a one-slot row, scatter-added back to their tokens; only when more than C
   pairs are local (skewed routing) does it run every pair (`lax.cond`, so results never depend
@@ -301,7 +311,7 @@ def _ep_apply(run: Callable[[Array, Array, Array], Array], x: Array, topk_ids: A
     return run(x, topk_ids, topk_weights).astype(jnp.float32)
   local = topk_ids - jax.lax.axis_index(axis) * local_experts
   here = (local >= 0) & (local < local_experts)
-  ids = jnp.where(here, local, local_experts).astype(jnp.int32)
+  ids = jnp.where(here, local, local_experts if null_id is None else null_id).astype(jnp.int32)
   full = lambda: run(x, ids, topk_weights).astype(jnp.float32)
   pairs = t * k
   if capacity_factor is None:
@@ -522,30 +532,25 @@ def shard_quantized_moe(block, mesh: Mesh, *, expert_axis: str | None = "ep",
                         tensor_axis: str | None = None,
                         capacity_factor: float | None = 2.0,
                         dispatch: str = "replicated") -> Callable[..., Array]:
-  """A sharded version of a `jax_moeq.nn.QuantizedMoE` block on the CPU W4A8 kernel.
+  """A sharded version of a `jax_moeq.nn.QuantizedMoE` block, on its own scheme and backend.
 
   Returns `fn(x[..., H], router_logits=None) -> y[..., H]`, jittable, with the block's routing
-  and router; the experts run EP / TP over `mesh` (weights packed and placed once, here), their
-  tokens dispatched as `dispatch` says (`w4a8_moe_sharded`).
+  and router; the experts run EP / TP over `mesh` on the experts class the block's oracle
+  chooses for one shard (`shard_experts`: the block's canonical weights prepared per device,
+  once, here), their tokens dispatched as `dispatch` says (`moe_sharded`).
   """
   _check_dispatch(dispatch, expert_axis, mesh)
-  w = block.canonical_int4()
-  if w.w13_g_idx is not None:
-    raise ValueError("blocks with act-order on w13 cannot run on the W4A8 kernel")
-  w = w4a8_scales(fold_w2_act_order(w))  # exact; the scales as the W4A8 kernel stores them
-  sharded = shard_w4a8_weights(jnp.asarray(w.w13_q), jnp.asarray(w.w2_q), w.w13_scale,
-                               w.w2_scale, w.group_size, mesh=mesh, expert_axis=expert_axis,
-                               tensor_axis=tensor_axis, w13_bias=w.w13_bias, w2_bias=w.w2_bias)
+  layout, arrays = shard_experts(
+      block.scheme, block.spec.layer(block.dtype), block.canonical_int4(), mesh=mesh,
+      expert_axis=expert_axis, tensor_axis=tensor_axis, group_size=block.group_size,
+      moe_backend=block.backend,
+      allow_activation_quantization=block.allow_activation_quantization)
   spec = block.spec
-  kind = {"silu": 0, "swigluoai": 1}[spec.activation]
 
   def fn(x: Array, router_logits: Array | None = None) -> Array:
     tokens, logits, lead = block._flatten(x, router_logits)
-    topk_weights, topk_ids = block.route(logits)
-    y = w4a8_moe_sharded(tokens, topk_ids, topk_weights, sharded,
-                         apply_router_weight_on_input=spec.apply_router_weight_on_input,
-                         activation_kind=kind, capacity_factor=capacity_factor,
-                         dispatch=dispatch)
+    y = moe_sharded(tokens, logits, layout, arrays, spec.routing, block._correction_bias(),
+                    capacity_factor=capacity_factor, dispatch=dispatch)
     return y.reshape(*lead, spec.hidden_size)
 
   return fn
@@ -635,3 +640,437 @@ def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
   fn = _shard_map(body, mesh=mesh, in_specs=(P(), P(), P()) + (spec,) * len(weights.arrays),
                   out_specs=P())
   return fn(x, topk_ids, topk_weights.astype(jnp.float32), *weights.arrays)
+
+
+# ------------------------------------------------------------------ any experts class
+# The route of every scheme (W4A8 CPU / GPU, WNA16, MxInt4 and their references): the oracle
+# chooses an experts class for one shard's share of the layer (E/n_ep experts, I/n_tp), each
+# device's share is prepared by that class's own `prepare` on that device, and each shard runs
+# the class's `apply_routed` (or, for MxInt4, its `apply` with the kernel's routing and
+# expert offset) inside `shard_map`.
+#
+# Replicated dispatch: pairs routed to another shard get id -1, which every experts class skips
+# (SPEC §13: ids outside [0, E) contribute nothing); MxInt4 routes inside its kernel and drops
+# them by its `local_expert_offset` (the rank's static offset, chosen by `lax.switch` on the
+# shard's position). All-to-all dispatch: the received pairs run as one-slot rows; for MxInt4
+# each row carries router logits that make the kernel's Renormalize routing pick that expert
+# with weight 1, and the router weight is applied to the row's output on the expert's shard.
+#
+# Combine (all-to-all): each token's shard adds its slots' outputs as its scheme's op does: W4A8
+# rounds after every slot (SPEC §4 step 5), WNA16 and MxInt4 sum in float32 and round once. With
+# EP alone the W4A8 and WNA16 results then equal the single-device op's bit for bit; MxInt4's
+# pairs round twice (the kernel's output, then times the router weight): at most one more
+# rounding of each pair's output (2^-8 relative in bf16). Replicated dispatch sums the shards'
+# partial outputs (each already rounded by its kernel) in float32 and rounds once: the same
+# pairs, another grouping of the top-k sum (bound: K + 1 roundings of the activation dtype).
+# TP: the shards' partial GEMM2 outputs are rounded by their kernel, summed in float32 and
+# rounded once; W4A8 also quantizes each slice of GEMM2's input with its own scale.
+
+_WEIGHT_FIELDS_13 = ("w13_q", "w13_scale", "w13_bias")  # rows [2I] sliced over TP
+_SCHEMES_SUM_ONCE = ("wna16", "mxint4")  # top-k combined in float32, rounded once
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+  """The static half of sharded experts: which experts class runs each shard and how.
+
+  experts: one instance per EP rank, built by the scheme's oracle for E/n_ep experts and I/n_tp
+    (they differ only in `parallel_config.ep_rank`, which MxInt4's kernel reads).
+  routed_experts: for kernel-routing (MxInt4) layouts, per rank the same class built for
+    Renormalize top-1 routing (the all-to-all rows); else equal to `experts`.
+  scheme: the format the arrays are prepared in (`ExpertsChoice.scheme`).
+  kernel_routing: the experts route inside (MxInt4 with a kernel-side routing method).
+  """
+
+  experts: tuple
+  routed_experts: tuple
+  scheme: str
+  backend: str
+  num_experts: int
+  hidden_size: int
+  intermediate_size: int  # global I
+  group_size: int | None
+  mesh: Mesh
+  expert_axis: str | None
+  tensor_axis: str | None
+  kernel_routing: bool
+
+  @property
+  def spec(self) -> P:
+    return P(self.tensor_axis, self.expert_axis)
+
+  @property
+  def n_ep(self) -> int:
+    return _axis_size(self.mesh, self.expert_axis)
+
+  @property
+  def n_tp(self) -> int:
+    return _axis_size(self.mesh, self.tensor_axis)
+
+  @property
+  def local_experts(self) -> int:
+    return self.num_experts // self.n_ep
+
+  def describe(self, dispatch: str) -> str:
+    return f"{self.backend} (EP {self.n_ep} x TP {self.n_tp}, {dispatch} dispatch)"
+
+
+def check_mesh_split(mesh: Mesh, expert_axis: str | None, tensor_axis: str | None,
+                     num_experts: int, intermediate_size: int, group_size: int | None
+                     ) -> tuple[int, int]:
+  """(n_ep, n_tp); ValueError naming the axis and the sizes when the mesh cannot split the layer:
+  E over the expert axis, I over the tensor axis in whole groups of `group_size`."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  n_ep, n_tp = _axis_size(mesh, expert_axis), _axis_size(mesh, tensor_axis)
+  if expert_axis is not None and expert_axis == tensor_axis:
+    raise ValueError(f"expert_axis and tensor_axis must differ, both are {expert_axis!r}")
+  if num_experts % n_ep:
+    raise ValueError(f"num_experts={num_experts} is not divisible by the expert axis size "
+                     f"{n_ep} (mesh axis {expert_axis!r})")
+  if intermediate_size % n_tp:
+    raise ValueError(f"intermediate_size={intermediate_size} is not divisible by the tensor axis "
+                     f"size {n_tp} (mesh axis {tensor_axis!r})")
+  local_i = intermediate_size // n_tp
+  if group_size not in (None, -1) and local_i % group_size:
+    raise ValueError(f"group_size={group_size} does not divide the per-shard intermediate size "
+                     f"{local_i} (intermediate_size={intermediate_size} over the tensor axis "
+                     f"{tensor_axis!r} of size {n_tp}): TP splits I in whole groups")
+  return n_ep, n_tp
+
+
+def _local_layer(layer, n_ep: int, n_tp: int):
+  """The `dispatch.LayerSpec` of one shard: E/n_ep experts, I/n_tp, top-k at most E/n_ep."""
+  local_e = layer.num_experts // n_ep
+  routing = layer.routing
+  if routing.top_k > local_e:  # one shard's experts only bound the config, not the routing
+    routing = dataclasses.replace(routing, top_k=local_e)
+  return dataclasses.replace(layer, num_experts=local_e,
+                             intermediate_size=layer.intermediate_size // n_tp, routing=routing)
+
+
+def _with_rank(experts, ep_rank: int, n_ep: int, **config_changes):
+  """The same experts class and quant config on a config for EP rank `ep_rank`."""
+  from jax_moeq.oracle.base import MoEParallelConfig
+  cfg = dataclasses.replace(experts.moe_config,
+                            parallel_config=MoEParallelConfig(ep_size=n_ep, ep_rank=ep_rank),
+                            **config_changes)
+  return type(experts)(cfg, experts.quant_config)
+
+
+def _expert_rows(w, start: int, stop: int):
+  """The weights container (`Int4MoEWeights` / `FloatMoEWeights`) of experts [start, stop)."""
+  changes = {}
+  for f in dataclasses.fields(w):
+    a = getattr(w, f.name)
+    if a is not None and f.name != "group_size":
+      changes[f.name] = a[start:stop]
+  return dataclasses.replace(w, **changes)
+
+
+def _tp_slice(w, j: int, n_tp: int):
+  """Slice j of n_tp of an `Int4MoEWeights` over I: gate and up rows of w13 (and their scales and
+  bias) together, w2's columns and their scale groups; w2's bias on slice 0 only."""
+  if n_tp == 1:
+    return w
+  if w.w2_g_idx is not None:
+    w = fold_w2_act_order(w)  # exact: w2's act-order becomes a permutation of w13's rows
+  i = w.w2_q.shape[-1]
+  li = i // n_tp
+  rows = np.concatenate([np.arange(j * li, (j + 1) * li), i + np.arange(j * li, (j + 1) * li)])
+  if w.group_size == -1:
+    s2 = w.w2_scale  # one scale per output row: the same for every input slice
+  else:
+    per = li // w.group_size
+    s2 = w.w2_scale[:, :, j * per:(j + 1) * per]
+  b2 = w.w2_bias
+  if b2 is not None and j:
+    b2 = jnp.zeros_like(b2)
+  return dataclasses.replace(
+      w, w13_q=w.w13_q[:, rows], w13_scale=w.w13_scale[:, rows],
+      w13_bias=None if w.w13_bias is None else w.w13_bias[:, rows],
+      w2_q=w.w2_q[:, :, j * li:(j + 1) * li], w2_scale=s2, w2_bias=b2)
+
+
+def _mesh_positions(mesh: Mesh, expert_axis: str | None, tensor_axis: str | None):
+  """(device, tp position, ep position) of this process's devices in `mesh`."""
+  names = mesh.axis_names
+  out = []
+  for index, d in np.ndenumerate(mesh.devices):
+    if d.process_index != jax.process_index():
+      continue
+    j = 0 if tensor_axis is None else index[names.index(tensor_axis)]
+    r = 0 if expert_axis is None else index[names.index(expert_axis)]
+    out.append((d, j, r))
+  if not out:
+    raise ValueError(f"process {jax.process_index()} has no device in the mesh "
+                     f"{dict(mesh.shape)}")
+  return out
+
+
+def shard_experts(scheme: str, layer, weights, *, mesh: Mesh, expert_axis: str | None = "ep",
+                  tensor_axis: str | None = None, group_size: int | None = None,
+                  moe_backend: str = "auto", allow_activation_quantization: bool = False,
+                  num_experts: int | None = None
+                  ) -> tuple[ExpertsLayout, dict[str, Array]]:
+  """Prepares int4 MoE weights for `moe_sharded` on any scheme's experts class.
+
+  Args:
+    scheme: "w4a8_int8", "wna16" or "mxint4" (`jax_moeq.dispatch.SCHEMES`).
+    layer: the layer's `jax_moeq.dispatch.LayerSpec` (global E, H, I, routing, dtype).
+    weights: `Int4MoEWeights` of all E experts, or of this process's experts only
+      (`local_expert_ids` order, with `num_experts=E`), or a callable `(start, stop) ->
+      Int4MoEWeights` of experts [start, stop) that is called on each device that holds them
+      (under `jax.default_device`), so that weights made there (random ones) never leave it.
+    mesh, expert_axis, tensor_axis: the mesh and its EP / TP axis names (None: not split).
+    group_size, moe_backend, allow_activation_quantization: as `dispatch.choose_experts`.
+
+  Returns:
+    (layout, arrays): arrays maps each prepared name to a global [n_tp, n_ep, *shape] array,
+    sharded P(tensor_axis, expert_axis), whose shard on each device is that device's share
+    prepared by the experts class on that device.
+  """
+  from jax_moeq import dispatch
+  e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+  n_ep, n_tp = check_mesh_split(mesh, expert_axis, tensor_axis, e, i, group_size)
+  per = e // n_ep
+  choice = dispatch.choose_experts(scheme, _local_layer(layer, n_ep, n_tp),
+                                   group_size=group_size, moe_backend=moe_backend,
+                                   allow_activation_quantization=allow_activation_quantization)
+  base = choice.experts
+  kernel_routing = choice.scheme == "mxint4" and (
+      base.moe_config.routing_method.name != "Unspecified")
+  if kernel_routing:
+    from jax_moeq.oracle.base import RoutingMethodType
+    experts = tuple(_with_rank(base, r, n_ep) for r in range(n_ep))
+    routed = tuple(_with_rank(base, r, n_ep, routing_method=RoutingMethodType.Renormalize,
+                              top_k=1) for r in range(n_ep))
+  else:
+    experts = routed = (base,) * n_ep
+  layout = ExpertsLayout(experts, routed, choice.scheme, choice.name, e, h, i, group_size, mesh,
+                         expert_axis, tensor_axis, kernel_routing)
+
+  ranks = process_expert_ranks(mesh, expert_axis)
+  if callable(weights):
+    block = lambda r: weights(r * per, (r + 1) * per)
+  else:
+    held = weights.w13_q.shape[0]
+    if num_experts is None:
+      if held != e:
+        raise ValueError(f"the weights hold {held} experts, the layer has {e}")
+      first = {r: r * per for r in ranks}
+    else:
+      if int(num_experts) != e:
+        raise ValueError(f"num_experts={num_experts} but the layer has {e} experts")
+      if held != len(ranks) * per:
+        raise ValueError(f"the weights hold {held} experts; with num_experts={e} this process's "
+                         f"EP ranks {list(ranks)} hold {len(ranks) * per}")
+      first = {r: k * per for k, r in enumerate(ranks)}
+    block = lambda r: _expert_rows(weights, first[r], first[r] + per)
+
+  shards: dict[str, list[Array]] = {}
+  shapes: dict[str, tuple] = {}
+  for device, j, r in _mesh_positions(mesh, expert_axis, tensor_axis):
+    with jax.default_device(device):
+      part = _tp_slice(jax.device_put(block(r), device), j, n_tp)
+      arrays = experts[r].prepare(part)
+      for name, a in arrays.items():
+        a = jax.device_put(jnp.asarray(a)[None, None], device)
+        if shapes.setdefault(name, a.shape) != a.shape:
+          raise ValueError(f"prepared array {name!r} has shape {a.shape[2:]} on one shard and "
+                           f"{shapes[name][2:]} on another")
+        shards.setdefault(name, []).append(a)
+  sharding = NamedSharding(mesh, layout.spec)
+  out = {name: jax.make_array_from_single_device_arrays(
+      (n_tp, n_ep) + shapes[name][2:], sharding, parts) for name, parts in shards.items()}
+  return layout, out
+
+
+def _shard_map_unchecked(f, *, mesh: Mesh, in_specs, out_specs):
+  """`shard_map` without the varying-axes check: the experts classes' jnp code (`lax.cond`,
+  `lax.map` over blocks) mixes per-shard and constant values, which the check refuses."""
+  try:
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  except TypeError:  # older jax
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _local(arrays: dict[str, Array]) -> dict[str, Array]:
+  return {name: a[0, 0] for name, a in arrays.items()}
+
+
+def _rank_switch(axis: str | None, n_ep: int, branch: Callable[[int], Array]) -> Array:
+  """`branch(r)` of this shard's EP rank r (each branch a static rank: the kernels' offsets)."""
+  if axis is None or n_ep == 1:
+    return branch(0)
+  return jax.lax.switch(jax.lax.axis_index(axis), [functools.partial(branch, r)
+                                                    for r in range(n_ep)])
+
+
+def _combine_slots(v: Array, scheme: str, dtype) -> Array:
+  """[T, K, H] per-pair outputs -> [T, H] as the scheme's op adds its top-k."""
+  if scheme in _SCHEMES_SUM_ONCE:
+    return reference.round_to_dtype(jnp.sum(v.astype(jnp.float32), axis=1), dtype).astype(dtype)
+  out = jnp.zeros((v.shape[0], v.shape[-1]), jnp.float32)
+  for slot in range(v.shape[1]):
+    out = reference.round_to_dtype(out + v[:, slot].astype(jnp.float32), dtype)
+  return out.astype(dtype)
+
+
+def _row_logits(local_ids: Array, rank: int, local_experts: int, n_ep: int,
+                num_experts: int) -> Array:
+  """Router logits [R, E] under which Renormalize top-1 routing picks global expert rank*L + id
+  with weight 1; rows with id -1 pick an expert of another rank (skipped by the offset)."""
+  valid = local_ids >= 0
+  other = ((rank + 1) % n_ep) * local_experts
+  target = jnp.where(valid, rank * local_experts + local_ids, other)
+  low = jnp.finfo(jnp.float32).min
+  return jnp.where(jnp.arange(num_experts)[None, :] == target[:, None], 0.0, low
+                   ).astype(jnp.float32)
+
+
+def _routed_rows_fn(layout: ExpertsLayout, arrays: dict[str, Array]
+                    ) -> Callable[[Array, Array, Array], Array]:
+  """run(rows [R, H], local ids [R, 1], weights [R, 1]) -> [R, H]: one-slot rows on this shard's
+  experts (id -1: nothing)."""
+  local = _local(arrays)
+  if not layout.kernel_routing:
+    return lambda x, ids, w: layout.experts[0].apply_routed(x, ids, w, local)
+  from jax_moeq.oracle.base import RoutingOptions
+  top1 = RoutingOptions(top_k=1, renormalize=True)
+  n_ep, per = layout.n_ep, layout.local_experts
+
+  def run(x, ids, w):
+    ids = ids[:, 0]
+    rows = jnp.where((ids >= 0)[:, None], x, jnp.zeros((), x.dtype))
+
+    def branch(r):
+      logits = _row_logits(ids, r, per, n_ep, layout.num_experts)
+      return layout.routed_experts[r].apply(rows, logits, local, top1)
+
+    y = _rank_switch(layout.expert_axis, n_ep, branch)
+    return reference.round_to_dtype(y.astype(jnp.float32) * w, x.dtype).astype(x.dtype)
+
+  return run
+
+
+def _route(layout: ExpertsLayout, logits: Array, routing, correction_bias) -> tuple[Array, Array]:
+  """(topk_weights, topk_ids) as the experts' own routing computes them."""
+  if not layout.kernel_routing:
+    return routing.select(logits, correction_bias)
+  from jax_moeq import routing as routing_lib
+  return routing_lib.route(logits, routing.top_k, layout.experts[0].moe_config.routing_method,
+                           e_score_correction_bias=correction_bias,
+                           **routing.kernel_routing_kwargs())
+
+
+def moe_sharded(x: Array, router_logits: Array, layout: ExpertsLayout, arrays: dict[str, Array],
+                routing, correction_bias: Array | None = None, *,
+                capacity_factor: float | None = 2.0, dispatch: str = "replicated") -> Array:
+  """The experts of `shard_experts` over their mesh, from router logits: x [T, H] and
+  router_logits [T, E] -> [T, H] in x.dtype, replicated over the mesh.
+
+  `routing`: the layer's `RoutingOptions`; `correction_bias` its [E] bias (DeepSeek-V3). Routed
+  experts (every scheme but kernel-routing MxInt4) take `routing.select`'s pairs
+  (`moe_sharded_routed`); MxInt4 routes inside its kernel on each shard.
+  dispatch="replicated": every shard sees all T tokens; pairs of other shards are skipped; the
+  shards' partial outputs are summed (`capacity_factor` sizes the compacted per-shard call of
+  routed experts, as `w4a8_moe_sharded`; MxInt4 runs its kernel on all tokens).
+  dispatch="all_to_all" / "ragged_all_to_all": tokens split over the expert axis (T padded to a
+  multiple of its size), pairs exchanged in rounds of a fixed capacity (module docstring);
+  ragged is refused on a CPU mesh.
+  """
+  _check_dispatch(dispatch, layout.expert_axis, layout.mesh)
+  h, e = layout.hidden_size, layout.num_experts
+  if x.ndim != 2 or x.shape[1] != h:
+    raise ValueError(f"x must be [tokens, {h}], got shape {x.shape}")
+  if router_logits.shape != (x.shape[0], e):
+    raise ValueError(f"router_logits must be [tokens, {e}] = {(x.shape[0], e)}, got shape "
+                     f"{router_logits.shape}")
+  if not layout.kernel_routing:
+    weights, ids = routing.select(router_logits, correction_bias)
+    return moe_sharded_routed(x, ids, weights, layout, arrays, capacity_factor=capacity_factor,
+                              dispatch=dispatch)
+  bias = () if correction_bias is None else (jnp.asarray(correction_bias, jnp.float32),)
+  return _run_sharded(layout, arrays, dispatch, capacity_factor, x, router_logits, *bias,
+                      routing=routing)
+
+
+def moe_sharded_routed(x: Array, topk_ids: Array, topk_weights: Array, layout: ExpertsLayout,
+                       arrays: dict[str, Array], *, capacity_factor: float | None = 2.0,
+                       dispatch: str = "replicated") -> Array:
+  """`moe_sharded` on already-routed tokens: topk_ids / topk_weights [T, K] (global ids; ids
+  outside [0, E) contribute nothing). Not for kernel-routing (MxInt4) layouts."""
+  _check_dispatch(dispatch, layout.expert_axis, layout.mesh)
+  if layout.kernel_routing:
+    raise ValueError(f"the {layout.backend} experts route inside their kernel: call moe_sharded "
+                     "with router logits")
+  h = layout.hidden_size
+  if x.ndim != 2 or x.shape[1] != h:
+    raise ValueError(f"x must be [tokens, {h}], got shape {x.shape}")
+  if topk_ids.ndim != 2 or topk_ids.shape != topk_weights.shape or (
+      topk_ids.shape[0] != x.shape[0]):
+    raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both "
+                     f"be [tokens={x.shape[0]}, K]")
+  return _run_sharded(layout, arrays, dispatch, capacity_factor, x,
+                      topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32))
+
+
+def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
+                 capacity_factor: float | None, x: Array, *token_args: Array,
+                 routing=None) -> Array:
+  """shard_map of the experts over the mesh. token_args: (ids, weights) of routed layouts, or
+  (router logits[, correction bias]) of kernel-routing ones."""
+  mesh = layout.mesh
+  names = tuple(sorted(arrays))
+  n_ep, per = layout.n_ep, layout.local_experts
+  axes = tuple(a for a in (layout.tensor_axis, layout.expert_axis) if a is not None)
+  n_token_args = 2 if not layout.kernel_routing else 1
+
+  def pairs(token_in, rest):
+    """(weights, ids, local arrays) of this shard's tokens."""
+    local_arrays = dict(zip(names, rest[len(rest) - len(names):]))
+    if not layout.kernel_routing:
+      ids, weights = token_in
+      return weights, ids, local_arrays
+    bias = rest[0] if len(rest) > len(names) else None
+    weights, ids = _route(layout, token_in[0], routing, bias)
+    return weights, ids.astype(jnp.int32), local_arrays
+
+  if dispatch != "replicated":
+    def a2a_body(x, *rest):
+      weights, ids, local_arrays = pairs(rest[:n_token_args], rest[n_token_args:])
+      factor = _A2A_DEFAULT_CAPACITY if capacity_factor is None else capacity_factor
+      t, k = ids.shape
+      v, _ = _a2a_pair_outputs(_routed_rows_fn(layout, local_arrays), x, ids, weights, per,
+                               layout.expert_axis, n_ep, a2a_capacity(t, k, n_ep, factor),
+                               layout.tensor_axis, dispatch == "ragged_all_to_all")
+      return _combine_slots(v, layout.scheme, x.dtype)
+
+    t, padded = _pad_tokens(n_ep, x, *token_args[:n_token_args])
+    extra = token_args[n_token_args:]
+    tokens = P(layout.expert_axis)
+    fn = _shard_map_unchecked(
+        a2a_body, mesh=mesh,
+        in_specs=(tokens,) * (1 + n_token_args) + (P(),) * len(extra) + (layout.spec,) * len(names),
+        out_specs=tokens)
+    return fn(*padded, *extra, *(arrays[n] for n in names))[:t]
+
+  def body(x, *rest):
+    if layout.kernel_routing:
+      local_arrays = dict(zip(names, rest[len(rest) - len(names):]))
+      bias = rest[1] if len(rest) - len(names) > 1 else None
+      local = _local(local_arrays)
+      y = _rank_switch(layout.expert_axis, n_ep, lambda r: layout.experts[r].apply(
+          x, rest[0], local, routing, bias)).astype(jnp.float32)
+    else:
+      ids, weights = rest[0], rest[1]
+      local_arrays = dict(zip(names, rest[2:]))
+      y = _ep_apply(_routed_rows_fn(layout, local_arrays), x, ids, weights, per,
+                    layout.expert_axis, n_ep, capacity_factor, null_id=-1)
+    return _combine(y, x.dtype, axes)
+
+  fn = _shard_map_unchecked(body, mesh=mesh,
+                            in_specs=(P(),) * (1 + len(token_args)) + (layout.spec,) * len(names),
+                            out_specs=P())
+  return fn(x, *token_args, *(arrays[n] for n in names))

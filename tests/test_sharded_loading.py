@@ -275,16 +275,67 @@ _SINGLE = textwrap.dedent("""
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
 
     mesh = sh.make_mesh(4, 1)
-    with pytest.raises(ValueError, match="needs quantization='w4a8_int8'"):
+    with pytest.raises(ValueError, match="a float checkpoint needs quantization="):
       models.from_pretrained(paths["per_expert"], mesh=mesh, show_progress=False)
     with pytest.raises(ValueError, match="ragged_all_to_all"):
       load("per_expert", mesh=mesh, dispatch="ragged_all_to_all")
-    with pytest.raises(ValueError, match="moe_backend='reference'"):
-      load("per_expert", mesh=mesh, moe_backend="reference")
     with pytest.raises(ValueError, match="num_experts=8 is not divisible by the expert axis size 3"):
       load("per_expert", mesh=sh.make_mesh(3, 1))
+    with pytest.raises(ValueError, match=r"per-shard intermediate size 16 .*'tp' of size 4"):
+      load("per_expert", mesh=sh.make_mesh(1, 4), expert_axis=None, tensor_axis="tp",
+           group_size=32)
     print("ok")
 """)
+
+
+# Every scheme on the mesh (the REFERENCE experts of WNA16 and MxInt4, the CPU W4A8 kernel):
+# the same greedy tokens on 1, 2 and 4 devices, with a batch of 4 that the mesh splits for
+# attention (data parallel: the logits come back split over the batch). `from_config(mesh=...)`
+# draws each device's experts there, per expert, so the model is the same on 2 and 4 devices.
+_GREEDY = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_moeq import models, sharding as sh
+    paths = json.loads(sys.argv[1])
+    prompts = [[5, 6, 7], [1, 2, 3], [200, 4, 9], [9, 9, 9]]
+    ids = jnp.asarray(prompts, jnp.int32)
+    for quantization, backend, dt in (("wna16", "reference", jnp.float32),
+                                      ("mxint4", "reference", jnp.bfloat16),
+                                      ("w4a8_int8", "auto", jnp.float32)):
+      kw = dict(quantization=quantization, moe_backend=backend, dtype=dt, show_progress=False)
+      one = models.from_pretrained(paths["per_expert"], **kw)
+      want = np.asarray(models.generate(one, prompts, max_new_tokens=5, eos_token_id=[]).tokens)
+      for n, dispatch in ((2, "replicated"), (4, "all_to_all"), (4, "replicated")):
+        model = models.from_pretrained(paths["per_expert"], mesh=sh.make_mesh(n, 1),
+                                       dispatch=dispatch, **kw)
+        (name, what), = model.moe_backends().items()
+        assert name == quantization and f"EP {n} x TP 1, {dispatch}" in what, what
+        got = models.generate(model, prompts, max_new_tokens=5, eos_token_id=[])
+        np.testing.assert_array_equal(np.asarray(got.tokens), want,
+                                      err_msg=str((quantization, n, dispatch)))
+        logits = jax.jit(lambda m, i: m(i))(model, ids)
+        assert not logits.sharding.is_fully_replicated, (quantization, n, logits.sharding)
+    cfg = json.load(open(paths["per_expert"] + "/config.json"))
+    tokens = []
+    for n in (2, 4):
+      model = models.from_config(cfg, quantization="wna16", moe_backend="reference",
+                                 mesh=sh.make_mesh(n, 1), dispatch="all_to_all")
+      arrays = model.layers[0].mlp.sharded_arrays()
+      for a in arrays.values():
+        assert a.shape[:2] == (1, n) and len(a.addressable_shards) == n, a.shape
+        assert all(s.data.shape[:2] == (1, 1) for s in a.addressable_shards)
+      tokens.append(np.asarray(models.generate(model, prompts, max_new_tokens=4,
+                                               eos_token_id=[]).tokens))
+    np.testing.assert_array_equal(tokens[0], tokens[1])
+    print("ok")
+""")
+
+
+def test_sharded_models_generate_the_same_greedy_tokens_on_1_2_4_devices(checkpoints, tmp_path):
+  proc = subprocess.run([sys.executable, "-c", _GREEDY, json.dumps(checkpoints)], env=_env(4),
+                        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+      f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
 
 
 def test_sharded_model_matches_unsharded_one_process(checkpoints, tmp_path):

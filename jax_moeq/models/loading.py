@@ -504,7 +504,7 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
   if allow_activation_quantization is not None:
     allow = allow or allow_activation_quantization
   if shard is not None:
-    sharded_lib.check_w4a8(scheme, quantize_to, allow)
+    sharded_lib.check_mesh_scheme(scheme, quantize_to)
   linears = _LinearBuilder(dtype, stored_scheme=stored_linears, quantize_to=linears_to,
                            group_size=group_size, allow_activation_quantization=allow)
   h, v = cfg.hidden_size, cfg.vocab_size
@@ -519,8 +519,9 @@ def build_model(cfg: config_lib.DecoderConfig, source, dtype, *, quantization: s
                                      fuse={"qkv_proj": ("q_proj", "k_proj", "v_proj")}))
       if cfg.sparse_layers[index] and shard is not None:
         mlp = sharded_lib.sharded_moe_block(
-            source.moe_layer(index, shard.experts(cfg.num_experts)), cfg, dtype, shard,
-            quantize_to=quantize_to, group_size=group_size, quantize_fn=_quantize_experts)
+            source, index, cfg, dtype, shard, scheme=scheme, quantize_to=quantize_to,
+            group_size=group_size, moe_backend=moe_backend,
+            allow_activation_quantization=allow, quantize_fn=_quantize_experts)
       elif cfg.sparse_layers[index]:
         mlp = _moe_block(source.moe_layer(index), cfg, dtype, scheme=scheme,
                          quantize_to=quantize_to, group_size=group_size, moe_backend=moe_backend,
@@ -573,17 +574,19 @@ def from_pretrained(path: str | Path, *, dtype=None, quantization: str | None = 
       (default: only when the checkpoint or `quantization` is W4A8).
     float_impl: the computation of float MoE blocks ("auto", "gather", "dense", "ragged_dot";
       `jax_moeq.nn.MoE`).
-    mesh: a `jax.sharding.Mesh` of CPU devices (`jax_moeq.sharding.make_mesh`) to split the
-      experts over (expert and/or tensor parallelism, `jax_moeq.sharding`). Each process reads
-      only the experts of its own devices' EP ranks (rank r: experts [r*E/n_ep, (r+1)*E/n_ep);
-      of stacked [E, ...] tensors only those rows' bytes) and places them on those devices; the
-      other weights are replicated over the mesh. The experts run on the CPU W4A8 kernel:
-      float checkpoints need quantization="w4a8_int8", weight-only int4 ones
-      quantization="w4a8_int8" (or allow_activation_quantization=True). Under
+    mesh: a `jax.sharding.Mesh` (CPU or GPU devices, `jax_moeq.sharding.make_mesh`) to split
+      the experts over (expert and/or tensor parallelism, `jax_moeq.sharding.moe_sharded`).
+      Each process reads only the experts of its own devices' EP ranks (rank r: experts
+      [r*E/n_ep, (r+1)*E/n_ep); of stacked [E, ...] tensors only those rows' bytes), and each
+      device's share is prepared by the experts class the scheme's oracle chose for one shard
+      (`moe_backend` as without a mesh), on that device. Float checkpoints need a
+      `quantization`. The other weights are replicated over the mesh; when the batch divides
+      the mesh, attention and the KV cache run data-parallel over it. Under
       `jax.distributed`, every process calls `from_pretrained` with the same global mesh.
     expert_axis, tensor_axis: mesh axis names for EP and TP (None: not split that way).
-    dispatch: "replicated" or "all_to_all" token dispatch (`jax_moeq.sharding.w4a8_moe_sharded`).
-    capacity_factor: the dispatch's capacity (`w4a8_moe_sharded`).
+    dispatch: "replicated", "all_to_all" or "ragged_all_to_all" (GPU / TPU meshes) token
+      dispatch (`jax_moeq.sharding.moe_sharded`).
+    capacity_factor: the dispatch's capacity (`moe_sharded`).
     quantize_linears: also quantize float attention q/k/v/o and dense-MLP linears on load
       (round to nearest, SPEC §2) to the linear scheme of `quantization` (w4a8_int8 ->
       w4a8_int8; wna16 / mxint4 -> wna16), with the experts' group size when it divides the
@@ -638,14 +641,25 @@ def from_config(config_json: Mapping[str, Any], *, dtype="float32", quantization
                 allow_activation_quantization: bool | None = None, float_impl: str = "auto",
                 show_progress: bool = False, quantize_linears: bool = False,
                 lm_head_quantization: str | None = None,
-                attention_dtype=None) -> decoder.MoECausalLM:
+                attention_dtype=None, mesh=None, expert_axis: str | None = "ep",
+                tensor_axis: str | None = None, dispatch: str = "replicated",
+                capacity_factor: float | None = 2.0) -> decoder.MoECausalLM:
   """A model of a `config.json` dict with random weights (std 0.02), built layer by layer
-  (keywords as `from_pretrained`)."""
+  (keywords as `from_pretrained`). With a `mesh`, each device draws and prepares only its own
+  experts (expert e from the layer's key folded with e: the same model on every mesh)."""
   cfg = decoder_config(config_json)
   dt = resolve_dtype(dtype, cfg)
+  shard = None
+  if mesh is not None:
+    from jax_moeq.loaders import CheckpointQuantConfig
+    _, _, g, _ = _plan_quantization(CheckpointQuantConfig(), cfg, quantization, group_size)
+    shard = sharded_lib.make_plan(mesh, cfg, expert_axis=expert_axis, tensor_axis=tensor_axis,
+                                  dispatch=dispatch, capacity_factor=capacity_factor,
+                                  moe_backend=moe_backend, group_size=g)
   return build_model(cfg, _RandomSource(cfg, seed, dt), dt, quantization=quantization,
                      group_size=group_size, moe_backend=moe_backend,
                      allow_activation_quantization=allow_activation_quantization,
                      float_impl=float_impl, show_progress=show_progress,
                      quantize_linears=quantize_linears,
-                     lm_head_quantization=lm_head_quantization, attention_dtype=attention_dtype)
+                     lm_head_quantization=lm_head_quantization, attention_dtype=attention_dtype,
+                     shard=shard)

@@ -1,16 +1,25 @@
-"""MoE layers of a model split over a `jax.sharding.Mesh` (`from_pretrained(mesh=...)`).
+"""MoE layers of a model split over a `jax.sharding.Mesh` (`from_pretrained(mesh=...)`,
+`from_config(mesh=...)`), on any platform and for every int4 scheme.
 
 Expert parallelism as `jax_moeq.sharding` does it: EP rank r holds experts [r*E/n_ep,
-(r+1)*E/n_ep). Each process reads from the checkpoint only the experts of its own devices' EP
-ranks (`local_expert_ids`), packs them for the CPU W4A8 kernel and places them on those devices;
-no process holds the others. The router and every non-expert weight are replicated over the mesh.
-Each MoE layer then runs `w4a8_moe_sharded` with the chosen token dispatch inside the model's
-`jit`.
+(r+1)*E/n_ep), optionally split over I by a tensor axis. The experts run through the route of the
+single-device blocks: the scheme's oracle chooses the experts class for one shard's share of the
+layer, whose `prepare` converts each device's share on that device and whose `apply_routed` /
+`apply` runs it (`sharding.shard_experts` / `sharding.moe_sharded`). Each process reads from the
+checkpoint only the experts of its own devices' EP ranks (`local_expert_ids`); random experts
+(`from_config`) are drawn on the devices that hold them, per expert from the layer's key, so the
+model is the same on every mesh.
+
+The router and every non-expert weight are replicated over the mesh. When the batch divides the
+mesh, the MoE block's input and output are constrained to be split over the batch on every mesh
+axis, so XLA runs attention, norms and the KV cache data-parallel (each device its rows) and only
+the experts are exchanged (expert parallelism).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,14 +29,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_moeq import sharding
-from jax_moeq.experts.cpu_int4 import w4a8_scales
 from jax_moeq.models import config as config_lib
 from jax_moeq.nn.moe import MoESpec, QuantizedWeight, _MoEBase
-from jax_moeq.ops import w4a8_cpu
-from jax_moeq.weights import Int4MoEWeights, fold_w2_act_order
+from jax_moeq.weights import Int4MoEWeights
 
 Array = jax.Array
-MESH_BACKENDS = ("auto", "cpu_int4")  # the sharded path runs the CPU W4A8 kernel only
+MESH_SCHEMES = ("w4a8_int8", "wna16", "mxint4")
+# Experts drawn and quantized per chunk on their device (bounds the float32 temporaries).
+_RANDOM_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +48,7 @@ class ShardPlan:
   tensor_axis: str | None
   dispatch: str
   capacity_factor: float | None
+  data_parallel: bool = True
 
   def experts(self, num_experts: int) -> tuple[int, ...]:
     """The experts this process reads and holds."""
@@ -47,113 +57,153 @@ class ShardPlan:
 
 def make_plan(mesh: Mesh, cfg: config_lib.DecoderConfig, *, expert_axis: str | None,
               tensor_axis: str | None, dispatch: str, capacity_factor: float | None,
-              moe_backend: str, group_size: int | None) -> ShardPlan:
-  """Checks the mesh options before any tensor is read; ValueError says what is unsupported."""
+              moe_backend: str = "auto", group_size: int | None = None,
+              data_parallel: bool = True) -> ShardPlan:
+  """Checks the mesh options before any tensor is read; ValueError says what is unsupported
+  (a mesh that does not divide E or I in whole groups, ragged_all_to_all on a CPU mesh)."""
+  del moe_backend  # checked by the scheme's oracle on the shard's layer
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  platforms = sorted({d.platform for d in mesh.devices.flat})
-  if platforms != ["cpu"]:
-    raise ValueError(f"from_pretrained(mesh=...) runs the experts on the CPU W4A8 kernel "
-                     f"(jax_moeq.sharding.w4a8_moe_sharded); this mesh has {platforms} devices. "
-                     "Sharded GPU experts are only available through "
-                     "jax_moeq.sharding.experts_sharded")
-  if moe_backend not in MESH_BACKENDS:
-    raise ValueError(f"moe_backend={moe_backend!r}: with a mesh the experts run on the CPU W4A8 "
-                     f"kernel; pass one of {MESH_BACKENDS}")
   sharding._check_dispatch(dispatch, expert_axis, mesh)  # refuses ragged on a CPU mesh
-  sharding._check_split(mesh, expert_axis, tensor_axis, cfg.num_experts,
-                        cfg.moe_intermediate_size, group_size, w4a8_cpu.TILE_ROWS)
-  return ShardPlan(mesh, expert_axis, tensor_axis, dispatch, capacity_factor)
+  sharding.check_mesh_split(mesh, expert_axis, tensor_axis, cfg.num_experts,
+                            cfg.moe_intermediate_size, group_size)
+  return ShardPlan(mesh, expert_axis, tensor_axis, dispatch, capacity_factor, data_parallel)
 
 
-def check_w4a8(scheme: str | None, quantize_to: str | None, allow: bool) -> None:
-  """The sharded path needs experts on the W4A8 kernel: float experts quantized to w4a8_int8 on
-  load, or int4 experts whose activations may be quantized to int8."""
-  if scheme is None and quantize_to != "w4a8_int8":
-    raise ValueError(f"with a mesh the experts run on the CPU W4A8 kernel: a float checkpoint "
-                     f"needs quantization='w4a8_int8' (got {quantize_to!r})")
-  if scheme is not None and scheme != "w4a8_int8" and not allow:
-    raise ValueError(f"with a mesh the experts run on the CPU W4A8 kernel: this checkpoint's "
-                     f"{scheme} experts need quantization='w4a8_int8' (or "
-                     "allow_activation_quantization=True) to run there")
+def check_mesh_scheme(scheme: str | None, quantize_to: str | None) -> None:
+  """The sharded path runs int4 experts: float checkpoints need a quantization on load."""
+  if scheme is None and quantize_to is None:
+    raise ValueError(f"with a mesh the experts run int4: a float checkpoint needs quantization= "
+                     f"one of {MESH_SCHEMES} (got None)")
 
 
-class ShardedQuantizedMoE(_MoEBase):
-  """A W4A8 MoE block whose experts live on a mesh: `QuantizedMoE`'s router and routing, with
-  the experts run by `jax_moeq.sharding.w4a8_moe_sharded` (EP / TP, replicated or all-to-all
-  token dispatch). Holds the packed shards as `QuantizedWeight`s (global arrays on the mesh)."""
+class ShardedMoE(_MoEBase):
+  """An int4 MoE block whose experts live on a mesh: `QuantizedMoE`'s router and routing, the
+  experts run by `jax_moeq.sharding.moe_sharded` (EP / TP, replicated or all-to-all token
+  dispatch) on the experts class the scheme's oracle chose for one shard. Holds each prepared
+  array as a `QuantizedWeight` (a global [n_tp, n_ep, ...] array on the mesh)."""
 
-  def __init__(self, spec: MoESpec, weights: sharding.ShardedW4A8Weights, *,
+  def __init__(self, spec: MoESpec, layout: sharding.ExpertsLayout, arrays: dict[str, Array], *,
                router_weight: Any, correction_bias: Any, dtype, param_dtype, dispatch: str,
-               capacity_factor: float | None):
+               capacity_factor: float | None, data_parallel: bool = True):
     self.spec = spec
     self.dtype = dtype
     self._init_router(spec, dtype, param_dtype, None, router_weight, correction_bias)
-    self.w13_packed = QuantizedWeight(weights.w13_packed)
-    self.w2_packed = QuantizedWeight(weights.w2_packed)
-    self.group_size = weights.group_size
-    self.mesh = weights.mesh
-    self.expert_axis = weights.expert_axis
-    self.tensor_axis = weights.tensor_axis
+    self.layout = layout
+    self.sharded_names = tuple(sorted(arrays))
+    for name in self.sharded_names:
+      setattr(self, name, QuantizedWeight(arrays[name]))
     self.dispatch = dispatch
     self.capacity_factor = capacity_factor
-    self.scheme = "w4a8_int8"
-    n_ep = sharding._axis_size(weights.mesh, weights.expert_axis)
-    n_tp = sharding._axis_size(weights.mesh, weights.tensor_axis)
-    self.backend = f"cpu_int4 (EP {n_ep} x TP {n_tp}, {dispatch} dispatch)"
+    self.data_parallel = data_parallel
+    self.scheme = layout.scheme
+    self.group_size = layout.group_size
+    self.mesh = layout.mesh
+    self.backend = layout.describe(dispatch)
 
-  def sharded_weights(self) -> sharding.ShardedW4A8Weights:
-    spec = self.spec
-    return sharding.ShardedW4A8Weights(
-        self.w13_packed[...], self.w2_packed[...], spec.num_experts, spec.hidden_size,
-        spec.intermediate_size, self.group_size, self.mesh, self.expert_axis, self.tensor_axis)
+  def sharded_arrays(self) -> dict[str, Array]:
+    return {name: getattr(self, name)[...] for name in self.sharded_names}
+
+  def _batch_split(self, a: Array) -> Array:
+    """`a` [B, ...] constrained to be split over the batch on every mesh axis (data-parallel
+    attention around the experts), when B divides the mesh."""
+    n = self.mesh.devices.size
+    if not self.data_parallel or n == 1 or a.ndim < 2 or a.shape[0] % n:
+      return a
+    spec = P(tuple(self.mesh.axis_names))
+    return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))
 
   def __call__(self, x: Array, router_logits: Array | None = None) -> Array:
+    x = self._batch_split(x)
     tokens, logits, lead = self._flatten(x, router_logits)
-    topk_weights, topk_ids = self.route(logits)
-    y = sharding.w4a8_moe_sharded(
-        tokens, topk_ids, topk_weights, self.sharded_weights(),
-        apply_router_weight_on_input=self.spec.apply_router_weight_on_input,
-        activation_kind={"silu": 0, "swigluoai": 1}[self.spec.activation],
-        capacity_factor=self.capacity_factor, dispatch=self.dispatch)
-    return y.reshape(*lead, self.spec.hidden_size)
+    y = sharding.moe_sharded(tokens, logits, self.layout, self.sharded_arrays(),
+                             self.spec.routing, self._correction_bias(),
+                             capacity_factor=self.capacity_factor, dispatch=self.dispatch)
+    return self._batch_split(y.reshape(*lead, self.spec.hidden_size))
 
 
-def sharded_moe_block(layer, cfg: config_lib.DecoderConfig, dtype, plan: ShardPlan, *,
-                      quantize_to: str | None, group_size: int | None,
-                      quantize_fn) -> ShardedQuantizedMoE:
-  """The block of one layer whose `layer` (a `MoELayerTensors`) holds only this process's experts
-  (`plan.experts`): float ones are quantized here (`quantize_fn`, per expert, so the same values
-  as quantizing all of them), int4 ones are taken as stored."""
-  e = cfg.num_experts
-  if layer.quantized:
-    w = Int4MoEWeights.from_layer(layer)
-    if w.w13_g_idx is not None:
-      raise ValueError("these experts use act-order on w13 (a per-expert permutation of the "
-                       "hidden input), which the W4A8 kernel cannot apply: they cannot run on a "
-                       "mesh")
-    g = w.group_size
+def _slice_int4(w: Int4MoEWeights, start: int, stop: int) -> Int4MoEWeights:
+  changes = {}
+  for f in dataclasses.fields(w):
+    a = getattr(w, f.name)
+    if a is not None and f.name != "group_size":
+      changes[f.name] = jnp.asarray(a[start:stop])
+  return dataclasses.replace(w, **changes)
+
+
+def _random_experts(key, cfg: config_lib.DecoderConfig, dtype, group_size: int,
+                    quantize_fn) -> Callable[[int, int], Int4MoEWeights]:
+  """(start, stop) -> int4 experts [start, stop) drawn on the current default device: expert e's
+  float weights are 0.02 * normal(fold_in(key, e)) in `dtype` (as `from_config`'s source draws),
+  quantized in chunks, so no device draws another's experts."""
+  h, i = cfg.hidden_size, cfg.moe_intermediate_size
+
+  def one(e):
+    k13, k2 = jax.random.split(jax.random.fold_in(key, e))
+    w13 = (0.02 * jax.random.normal(k13, (2 * i, h), jnp.float32)).astype(dtype)
+    w2 = (0.02 * jax.random.normal(k2, (h, i), jnp.float32)).astype(dtype)
+    return w13.astype(jnp.float32), w2.astype(jnp.float32)
+
+  draw = jax.jit(jax.vmap(one))
+
+  def block(start: int, stop: int) -> Int4MoEWeights:
+    parts = []
+    for s in range(start, stop, _RANDOM_CHUNK):
+      w13, w2 = draw(jnp.arange(s, min(stop, s + _RANDOM_CHUNK)))
+      parts.append(quantize_fn(w13, w2, group_size))
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+
+  return block
+
+
+def sharded_moe_block(source, index: int, cfg: config_lib.DecoderConfig, dtype, plan: ShardPlan,
+                      *, scheme: str | None, quantize_to: str | None, group_size: int | None,
+                      moe_backend: str, allow_activation_quantization: bool,
+                      quantize_fn) -> ShardedMoE:
+  """Layer `index`'s MoE block on `plan.mesh`. From a checkpoint source only this process's
+  experts are read (int4 taken as stored; float quantized to `quantize_to` per device share);
+  from a random source (`from_config`) each device draws its own experts."""
+  e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+  run_scheme = quantize_to or scheme
+  check_mesh_scheme(scheme, quantize_to)
+  random_draw = not hasattr(source, "ckpt")  # `loading._RandomSource` reads no checkpoint
+  corr = None
+  if random_draw:  # `from_config`'s random source: router drawn here, experts on their devices
+    router = source.tensor(f"{cfg.moe_prefix(index)}.gate.weight", (e, h))
+    weights = _random_experts(source._next(), cfg, dtype, group_size, quantize_fn)
+    use_bias = False
   else:
-    if quantize_to != "w4a8_int8":
-      raise ValueError(f"float experts on a mesh need quantization='w4a8_int8', got "
-                       f"{quantize_to!r}")
-    w = quantize_fn(jnp.asarray(layer.w13, jnp.float32), jnp.asarray(layer.w2, jnp.float32),
-                    group_size)
-    bias = lambda b: None if b is None else jnp.asarray(b, jnp.float32)
-    w = dataclasses.replace(w, w13_bias=bias(layer.w13_bias), w2_bias=bias(layer.w2_bias))
-    g = group_size
-  w = w4a8_scales(fold_w2_act_order(w))  # exact; the scales as the W4A8 kernel stores them
-  weights = sharding.shard_w4a8_weights(
-      w.w13_q, w.w2_q, w.w13_scale, w.w2_scale, g, mesh=plan.mesh,
-      expert_axis=plan.expert_axis, tensor_axis=plan.tensor_axis, w13_bias=w.w13_bias,
-      w2_bias=w.w2_bias, num_experts=e)
-  corr = layer.e_score_correction_bias
-  spec = MoESpec(num_experts=e, top_k=cfg.top_k, hidden_size=cfg.hidden_size,
-                 intermediate_size=cfg.moe_intermediate_size, renormalize=cfg.norm_topk_prob,
-                 use_bias=w.w13_bias is not None, e_score_correction_bias=corr is not None)
-  return ShardedQuantizedMoE(spec, weights, router_weight=layer.router_weight,
-                             correction_bias=corr, dtype=dtype, param_dtype=dtype,
-                             dispatch=plan.dispatch, capacity_factor=plan.capacity_factor)
+    mine = plan.experts(e)
+    layer = source.moe_layer(index, mine)
+    router, corr = layer.router_weight, layer.e_score_correction_bias
+    row = {g: k for k, g in enumerate(mine)}
+    if layer.quantized:
+      w = Int4MoEWeights.from_layer(layer)
+      group_size = w.group_size
+      weights = lambda start, stop: _slice_int4(w, row[start], row[start] + stop - start)
+    else:
+      if quantize_to is None:
+        raise ValueError("float experts on a mesh need quantization=...")
+      bias = lambda b: None if b is None else jnp.asarray(b, jnp.float32)
+
+      def weights(start, stop, layer=layer):
+        a, b = row[start], row[start] + stop - start
+        w = quantize_fn(jnp.asarray(layer.w13[a:b], jnp.float32),
+                        jnp.asarray(layer.w2[a:b], jnp.float32), group_size)
+        return dataclasses.replace(
+            w, w13_bias=None if layer.w13_bias is None else bias(layer.w13_bias[a:b]),
+            w2_bias=None if layer.w2_bias is None else bias(layer.w2_bias[a:b]))
+    use_bias = layer.w13_bias is not None
+  spec = MoESpec(num_experts=e, top_k=cfg.top_k, hidden_size=h, intermediate_size=i,
+                 renormalize=cfg.norm_topk_prob, use_bias=use_bias,
+                 e_score_correction_bias=corr is not None)
+  layout, arrays = sharding.shard_experts(
+      run_scheme, spec.layer(dtype), weights, mesh=plan.mesh, expert_axis=plan.expert_axis,
+      tensor_axis=plan.tensor_axis, group_size=group_size, moe_backend=moe_backend,
+      allow_activation_quantization=allow_activation_quantization)
+  return ShardedMoE(spec, layout, arrays, router_weight=router, correction_bias=corr,
+                    dtype=dtype, param_dtype=dtype, dispatch=plan.dispatch,
+                    capacity_factor=plan.capacity_factor, data_parallel=plan.data_parallel)
 
 
 def replicate_on_mesh(model: nnx.Module, mesh: Mesh) -> None:
@@ -168,6 +218,8 @@ def replicate_on_mesh(model: nnx.Module, mesh: Mesh) -> None:
     if isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding) and (
         a.sharding.mesh == mesh):
       return a
+    if jax.process_count() == 1 and isinstance(a, jax.Array):
+      return jax.device_put(a, replicated)
     return sharding._place(np.asarray(a), replicated)
 
   nnx.update(model, jax.tree.map(put, nnx.state(model)))
