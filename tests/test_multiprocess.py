@@ -10,7 +10,9 @@ the slices (1e-6 between them). Every process is bounded in time and killed if a
 
 `from_pretrained(mesh=...)` across 2 processes: each reads exactly the bytes of its own half of
 the experts (per-expert and fused checkpoints), and the gathered logits match the unsharded
-model's (tolerance as in tests/test_sharded_loading.py).
+model's (tolerance as in tests/test_sharded_loading.py). `generate` with one process per device
+(2 CPU processes; on a GPU machine one process per GPU) gives the unsharded model's greedy
+tokens.
 """
 
 from __future__ import annotations
@@ -96,12 +98,14 @@ def _free_port() -> int:
 
 
 def _run_workers(worker: str, n_proc: int, devices_per_proc: int, cwd, args: tuple[str, ...] = (),
-                 timeout: float = 480) -> None:
+                 timeout: float = 480, platform: str = "cpu") -> None:
   """Runs `worker` as n_proc processes (argv: port, n_proc, rank, *args); all must print
-  'ok {rank}'. If one fails or time runs out, the others are killed."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={devices_per_proc}").strip()
+  'ok {rank}'. If one fails or time runs out, the others are killed. platform="cuda": the
+  processes see every GPU (the worker picks its own with local_device_ids)."""
+  env = dict(os.environ, JAX_PLATFORMS=platform)
+  if platform == "cpu":
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={devices_per_proc}").strip()
   # The workers import the same jax_moeq as this process, from outside the repository.
   package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_moeq.__file__)))
   env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
@@ -223,3 +227,62 @@ def checkpoints(tmp_path_factory):
 
 def test_from_pretrained_reads_only_local_experts_across_processes(checkpoints, tmp_path):
   _run_workers(_LOAD_WORKER, 2, 2, tmp_path, (json.dumps(checkpoints),), timeout=300)
+
+
+# Greedy generation with one process per device: `from_pretrained(mesh=...)` on the global mesh
+# (WNA16 experts quantized on load, EP over all devices, all-to-all and replicated dispatch),
+# `generate` with a batch that the mesh splits for attention, against the unsharded model run in
+# each process on its first local device. argv after the rank: checkpoint paths, platform.
+_GENERATE_WORKER = textwrap.dedent("""
+    import json, sys
+    import jax
+    port, n_proc, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    paths, platform = json.loads(sys.argv[4]), sys.argv[5]
+    kw = {}
+    if platform == "cpu":
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    else:
+      kw = dict(local_device_ids=[rank])  # one GPU per process
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n_proc,
+                               process_id=rank, initialization_timeout=120, **kw)
+    import jax.numpy as jnp, numpy as np
+    from jax.experimental import multihost_utils
+    from jax_moeq import models, sharding as sh
+    assert jax.process_count() == n_proc
+    backend = "reference" if platform == "cpu" else "auto"
+    dt = jnp.float32 if platform == "cpu" else jnp.bfloat16
+    opts = dict(quantization="wna16", moe_backend=backend, dtype=dt, show_progress=False)
+    prompts = [[5, 6, 7], [1, 2, 3], [200, 4, 9], [9, 9, 9]]
+    with jax.default_device(jax.local_devices()[0]):
+      full = models.from_pretrained(paths["per_expert"], **opts)
+      want = np.asarray(models.generate(full, prompts, max_new_tokens=5, eos_token_id=[]).tokens)
+    mesh = sh.make_mesh(len(jax.devices()), 1)
+    for dispatch in ("all_to_all", "replicated"):
+      model = models.from_pretrained(paths["per_expert"], mesh=mesh, dispatch=dispatch, **opts)
+      got = models.generate(model, prompts, max_new_tokens=5, eos_token_id=[])
+      tokens = np.asarray(multihost_utils.process_allgather(got.tokens, tiled=True))
+      np.testing.assert_array_equal(tokens, want, err_msg=dispatch)
+    print(f"ok {rank}", flush=True)
+""")
+
+
+def test_generate_with_one_process_per_device(checkpoints, tmp_path):
+  _run_workers(_GENERATE_WORKER, 2, 1, tmp_path, (json.dumps(checkpoints), "cpu"), timeout=400)
+
+
+def _gpu_count() -> int:
+  import jax
+  try:
+    return len(jax.devices("gpu"))
+  except RuntimeError:
+    return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs at least 2 GPUs with our CUDA library")
+def test_generate_with_one_process_per_gpu(checkpoints, tmp_path):
+  """One process per GPU (all local GPUs, NCCL between processes): the same greedy tokens as one
+  GPU, WNA16 experts on the GPU kernel."""
+  n = max(k for k in (2, 4, 8) if k <= _gpu_count())
+  _run_workers(_GENERATE_WORKER, n, 1, tmp_path, (json.dumps(checkpoints), "cuda"), timeout=600,
+               platform="cuda")

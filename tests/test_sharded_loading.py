@@ -18,6 +18,10 @@ computes the unsharded one's logits.
 - Two processes (jax.distributed, gloo on 127.0.0.1, 2 CPU devices each, EP over 4): each reads
   exactly the experts of its two EP ranks (half of them) and the gathered logits match the
   unsharded model's in that process.
+- Every scheme (WNA16 and MxInt4 on their REFERENCE experts, W4A8 on the CPU kernel) generates
+  the unsharded model's greedy tokens on 2 and 4 devices, attention batch-split over the mesh;
+  `from_config(mesh=...)` draws each device's experts there and is the same model on 2 and 4.
+  On >= 2 GPUs (marked gpu): the GPU kernels of the three schemes, 1 vs 2 vs all GPUs.
 """
 
 from __future__ import annotations
@@ -172,11 +176,12 @@ transformers = pytest.importorskip("transformers",
 VOCAB = 256
 
 
-def _tiny_qwen3(seed: int):
+def _tiny_qwen3(seed: int, moe_intermediate_size: int = 64):
   torch.manual_seed(seed)
   cfg = transformers.Qwen3MoeConfig(
       vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
+      num_key_value_heads=2, head_dim=32, intermediate_size=256,
+      moe_intermediate_size=moe_intermediate_size,
       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128)
   return transformers.Qwen3MoeForCausalLM(cfg).eval()
 
@@ -341,5 +346,73 @@ def test_sharded_models_generate_the_same_greedy_tokens_on_1_2_4_devices(checkpo
 def test_sharded_model_matches_unsharded_one_process(checkpoints, tmp_path):
   proc = subprocess.run([sys.executable, "-c", _SINGLE, json.dumps(checkpoints)], env=_env(4),
                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+      f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
+
+
+def _gpu_count() -> int:
+  import jax
+  try:
+    return len(jax.devices("gpu"))
+  except RuntimeError:
+    return 0
+
+
+_GPU_GREEDY = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax_moeq import models, sharding as sh
+    paths = json.loads(sys.argv[1])
+    gpus = jax.devices("gpu")
+    prompts = [[5, 6, 7], [1, 2, 3], [200, 4, 9], [9, 9, 9]]
+    ids = jnp.asarray(prompts, jnp.int32)
+    run = jax.jit(lambda m, i: m(i))
+    failures = []
+    for quantization in ("wna16", "mxint4", "w4a8_int8"):
+      kw = dict(quantization=quantization, dtype=jnp.bfloat16, show_progress=False)
+      with jax.default_device(gpus[0]):
+        one = models.from_pretrained(paths["per_expert"], **kw)
+        backend = one.moe_backends()[quantization]
+        assert backend != "reference", (quantization, backend)
+        want = np.asarray(models.generate(one, prompts, max_new_tokens=8,
+                                          eos_token_id=[]).tokens)
+        want_logits = np.asarray(run(one, ids), np.float64)
+      runs = [(len(gpus), d) for d in ("replicated", "all_to_all", "ragged_all_to_all")]
+      if len(gpus) > 2:
+        runs.append((2, "all_to_all"))
+      for n, dispatch in runs:
+        if True:
+          model = models.from_pretrained(paths["per_expert"], mesh=sh.make_mesh(
+              n, 1, devices=gpus), dispatch=dispatch, **kw)
+          got = np.asarray(models.generate(model, prompts, max_new_tokens=8,
+                                           eos_token_id=[]).tokens)
+          logits = np.asarray(run(model, ids), np.float64)
+          err = float(np.linalg.norm(logits - want_logits) / np.linalg.norm(want_logits))
+          same = bool(np.array_equal(got, want))
+          print(f"{quantization} ({backend}) {n} GPUs {dispatch}: greedy tokens equal {same}, "
+                f"logits rel {err:.2e}", flush=True)
+          if not same or err > 2e-2:
+            failures.append((quantization, n, dispatch, same, err))
+    assert not failures, failures
+    print("ok")
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs at least 2 GPUs with our CUDA library")
+def test_sharded_models_on_gpus_generate_one_gpus_tokens(tmp_path):
+  """A tiny checkpoint (moe I=128: the W4A8 GPU kernel's alignment) quantized on load to each
+  GPU scheme (their GPU kernels), one process driving 2 and all GPUs with each dispatch: the
+  greedy tokens of one GPU (bf16; logits within 2e-2 rel. Frobenius, the kernels' bf16 bound
+  with the reduction order of EP)."""
+  path = tmp_path / "per_expert"
+  _tiny_qwen3(5, moe_intermediate_size=128).save_pretrained(path)
+  checkpoints = {"per_expert": str(path)}
+  env = dict(os.environ)
+  package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_moeq.__file__)))
+  env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+  proc = subprocess.run([sys.executable, "-c", _GPU_GREEDY, json.dumps(checkpoints)], env=env,
+                        cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+  print(proc.stdout[-6000:])
   assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
       f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
