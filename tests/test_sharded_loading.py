@@ -320,6 +320,18 @@ _GREEDY = textwrap.dedent("""
                                       err_msg=str((quantization, n, dispatch)))
         logits = jax.jit(lambda m, i: m(i))(model, ids)
         assert not logits.sharding.is_fully_replicated, (quantization, n, logits.sharding)
+    # The KV cache that generate's prefill fills is split over the batch too.
+    from flax import nnx
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def prefill(state, ids):
+      m = nnx.merge(graphdef, state)
+      return m.forward(ids, m.init_cache(4, 8), 0, jnp.zeros((4,), jnp.int32), last_only=True)
+
+    _, cache = prefill(state, ids)
+    for a in jax.tree.leaves(cache):
+      assert a.sharding.shard_shape(a.shape)[0] == 1, a.sharding  # 4 rows over 4 devices
     cfg = json.load(open(paths["per_expert"] + "/config.json"))
     tokens = []
     for n in (2, 4):
