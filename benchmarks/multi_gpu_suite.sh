@@ -3,7 +3,10 @@
 # multi-GPU tests (every GPU scheme's sharded experts against one GPU), the whole-model greedy
 # checks (1 vs 2 vs all GPUs in one process; one process per GPU under jax.distributed), and
 # benchmarks/ep_gpu_bench.py. Logs and JSON go to $OUT (or /tmp/multi_gpu_suite).
-#   STAGES="build test model bench" (default all);
+#   STAGES="build test model bench" (default); "big" adds benchmarks/ep_model_bench.py, the
+#     Qwen3-235B-A22B-shaped model from from_config(mesh=...) on all GPUs (MODEL_ARGS, default
+#     "--layers 94 --batch 1,64 --dispatch all_to_all": decode and prefill tokens/s, peak memory
+#     per GPU, decode roofline);
 #   BENCH_ARGS: ep_gpu_bench.py's arguments (default: both shapes, 1 and all GPUs, T per GPU
 #     16 / 1024 / 4096, the three dispatches, 8 layers, NCCL kernels profiled);
 #   LIMIT: seconds the whole run may take (default 570: a device call's 600 s, less a margin);
@@ -83,6 +86,16 @@ if has bench; then
   else
     summary+=("bench: skipped (${budget} s left)")
   fi
+fi
+
+if has big; then
+  start=$SECONDS
+  # shellcheck disable=SC2086
+  timeout "$(left)" "$PY" benchmarks/ep_model_bench.py \
+    ${MODEL_ARGS:---layers 94 --batch 1,64 --dispatch all_to_all} --json "$OUT/ep_model_bench.json" \
+    2>"$OUT/ep_model_bench.err" | tee "$OUT/ep_model_bench.txt"
+  summary+=("big model: exit ${PIPESTATUS[0]} ($(( SECONDS - start )) s)")
+  tail -5 "$OUT/ep_model_bench.err"
 fi
 
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
