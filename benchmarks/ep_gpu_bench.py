@@ -103,6 +103,20 @@ def environment() -> dict:
   return out
 
 
+_DRAW_CHUNK = 16  # experts drawn per call: bounds the random bits' temporaries
+
+
+def _random_q(key, e: int, rows: int, cols: int):
+  """[e, rows, cols] int4-as-int8 values in [-8, 7], drawn in chunks of experts (8-bit draws)."""
+  import jax
+  import jax.numpy as jnp
+  draw = jax.jit(lambda k, n: (jax.random.bits(k, (n, rows, cols), jnp.uint8) & 15
+                               ).astype(jnp.int8) - 8, static_argnums=1)
+  parts = [draw(jax.random.fold_in(key, s), min(_DRAW_CHUNK, e - s))
+           for s in range(0, e, _DRAW_CHUNK)]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
 def _random_int4(key, start: int, stop: int, hidden: int, inter: int, group: int):
   """Int4MoEWeights of experts [start, stop) drawn on the current default device."""
   import jax
@@ -110,8 +124,8 @@ def _random_int4(key, start: int, stop: int, hidden: int, inter: int, group: int
   from jax_moeq.weights import Int4MoEWeights
   e = stop - start
   k = jax.random.split(jax.random.fold_in(key, start), 4)
-  q13 = jax.random.randint(k[0], (e, 2 * inter, hidden), -8, 8, jnp.int8)
-  q2 = jax.random.randint(k[1], (e, hidden, inter), -8, 8, jnp.int8)
+  q13 = _random_q(k[0], e, 2 * inter, hidden)
+  q2 = _random_q(k[1], e, hidden, inter)
   # Scales ~ 1 / (7.5 sqrt(fan-in)): outputs of order 1 for inputs of order 1.
   s13 = jax.random.uniform(k[2], (e, 2 * inter, hidden // group), jnp.float32, .5, 1.5)
   s2 = jax.random.uniform(k[3], (e, hidden, inter // group), jnp.float32, .5, 1.5)
@@ -282,8 +296,13 @@ def main(argv=None) -> int:
       if over_budget():
         break
       _timing.progress(f"{shape_name}: building {args.layers} layers on {n} GPU(s)")
-      stack = Stack(shape, args.scheme, gpus[:n], shape["experts"], args.layers, seed=0,
-                    backend=backend)
+      try:
+        stack = Stack(shape, args.scheme, gpus[:n], shape["experts"], args.layers, seed=0,
+                      backend=backend)
+      except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory)
+        print(f"| {shape_name} | {n} | - | - | building failed: {type(e).__name__}: "
+              f"{str(e)[:200]} |", flush=True)
+        continue
       base_stack, baselines = None, {}
       for per_gpu in token_list:
         for d in (["replicated"] if n == 1 else dispatches):
@@ -310,12 +329,16 @@ def main(argv=None) -> int:
                                   args.capacity_factor, stack.first_layer_counts(x))
           eff = None
           if n > 1 and not args.no_baseline:
-            if base_stack is None:  # 1 GPU holding E/n experts: the same pairs per expert
-              base_stack = Stack(shape, args.scheme, gpus[:1], shape["experts"] // n,
-                                 args.layers, seed=1, backend=backend)
-            if per_gpu not in baselines:
-              baselines[per_gpu] = time_stack(base_stack, per_gpu, "replicated")[0] / args.layers
-            eff = baselines[per_gpu] / layer_s
+            try:
+              if base_stack is None:  # 1 GPU holding E/n experts: the same pairs per expert
+                base_stack = Stack(shape, args.scheme, gpus[:1], shape["experts"] // n,
+                                   args.layers, seed=1, backend=backend)
+              if per_gpu not in baselines:
+                baselines[per_gpu] = time_stack(base_stack, per_gpu,
+                                                "replicated")[0] / args.layers
+              eff = baselines[per_gpu] / layer_s
+            except Exception as e:  # pylint: disable=broad-except
+              _timing.progress(f"baseline failed: {type(e).__name__}: {str(e)[:200]}")
           gbps = (nbytes / coll / 1e9) if coll else (nbytes / layer_s / 1e9)
           row = dict(shape=shape_name, gpus=n, tokens_per_gpu=per_gpu, dispatch=d,
                      backend=stack.backend, layer_us=layer_s * 1e6,
