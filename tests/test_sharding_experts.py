@@ -155,14 +155,16 @@ for scheme, backend in (("wna16", "reference"), ("w4a8_int8", "reference"),
     w = jnp.asarray(r.uniform(.1, 1, (7, 2)), jnp.float32)
     want = routed_op(experts, arrays)(p["x"], ids, w)
     for ep in ((2, 4) if name == "skewed" else (4,)):
-      for cap in (0.25, 2.0):
+      # all-to-all at capacity 0.25: several exchange rounds; replicated at 2.0: the compacted
+      # call, or every pair where a shard overflows it (skewed).
+      for cap in (0.25,):
         got = sharded(p, ep, 1, "all_to_all", cap=cap, routed=(ids, w), backend=backend)
         if exact:
           np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
                                         err_msg=str((scheme, backend, name, ep, cap)))
         else:
           assert rel(got, want) <= 1e-6, (scheme, backend, name, ep, cap, rel(got, want))
-        got = sharded(p, ep, 1, "replicated", cap=cap, routed=(ids, w), backend=backend)
+        got = sharded(p, ep, 1, "replicated", cap=2.0, routed=(ids, w), backend=backend)
         assert rel(got, want) <= 1e-6, (scheme, name, ep, cap, rel(got, want))
 # MxInt4: every token routed to shard 0's experts; T = 7 does not divide the mesh.
 p = problem("mxint4", jnp.float32, seed=3, T=7)
@@ -170,8 +172,8 @@ logits = p["logits"].at[:, :2].add(50.0)
 experts, arrays, _ = one_device(p)
 want = experts.apply(p["x"], logits, arrays, p["routing"])
 for ep in (2, 4):
-  for cap in (0.25, 2.0):
-    for d in ("all_to_all", "replicated"):
+  for d, cap in (("all_to_all", 0.25), ("replicated", 2.0)):
+    if True:
       got = sharded(p, ep, 1, d, cap=cap, logits=logits)
       assert got.shape == want.shape and rel(got, want) <= 1e-6, (ep, cap, d, rel(got, want))
 print("ok")
