@@ -144,3 +144,16 @@ def test_tokamax_bench_stubs_a_missing_xprof_tool(monkeypatch):
   with pytest.raises(NotImplementedError, match="stub from tokamax_bench"):
     get_kernel_stats_tool()
   assert not tokamax_bench.stub_xprof_if_missing()  # already importable now
+
+
+def test_e2e_cpu_plot_reads_the_recorded_runs(monkeypatch):
+  # benchmarks/plot_e2e_cpu.py draws docs/e2e_cpu.png from e2e_cpu_bench.py's JSON (docs/data).
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import plot_e2e_cpu as plot  # pylint: disable=import-outside-toplevel
+  root = Path(__file__).resolve().parents[1]
+  for path in sorted((root / "docs" / "data").glob("e2e_cpu_*.json")):
+    title, rows = plot.load_rows(str(path))
+    assert "layers" in title and "avx" not in title
+    names = {r["variant"] for r in rows}
+    assert "llama.cpp:Q4_0" in names and "jax:int4+head4" in names
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
