@@ -15,9 +15,9 @@ march_for() {
     */w4a8_gemm_neon_i8mm.cc) echo "-march=armv8.2-a+dotprod+i8mm" ;;
   esac
 }
-for src in csrc/cpu/w4a8_moe.cc csrc/cpu/cpu_isa.cc csrc/cpu/w4a8_gemm_portable.cc \
+for src in csrc/cpu/w4a8_moe.cc csrc/cpu/w4a8_linear.cc csrc/cpu/cpu_isa.cc csrc/cpu/w4a8_gemm_portable.cc \
            csrc/cpu/w4a8_rows_portable.cc csrc/cpu/w4a8_gemm_neon_dotprod.cc \
-           csrc/cpu/w4a8_gemm_neon_i8mm.cc xla_ffi/cpu_w4a8_moe.cc; do
+           csrc/cpu/w4a8_gemm_neon_i8mm.cc xla_ffi/cpu_w4a8_moe.cc xla_ffi/cpu_w4a8_linear.cc; do
   # shellcheck disable=SC2046  # the -march flag, or nothing
   "$CXX" -std=c++17 -O2 -ffp-contract=off -fPIC -DJAX_MOEQ_AARCH64=1 $(march_for "$src") \
     -Icsrc -I. -I"$INC" -c "$src" -o "$out/$(basename "$src").o"
