@@ -19,6 +19,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 
+def size_xla_pool_from_argv(argv: list[str]) -> int | None:
+  """`--threads N` of a benchmark's arguments, set as XLA's CPU pool size (PJRT_NPROC): read
+  before JAX starts, since XLA sizes the pool when its client is created. Returns N or None."""
+  import argparse
+  parser = argparse.ArgumentParser(add_help=False)
+  parser.add_argument("--threads", type=int)
+  known, _ = parser.parse_known_args(argv)
+  if known.threads is not None:
+    os.environ["PJRT_NPROC"] = str(known.threads)
+  return known.threads
+
+
 def use_source_tree_if_not_installed() -> None:
   """Lets a script under benchmarks/ import jax_moeq. An importable jax_moeq (the installed
   package, or the tree named by PYTHONPATH) is used as it is; only when there is none does the

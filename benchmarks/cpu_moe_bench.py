@@ -52,16 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibli
 import _timing  # noqa: E402
 
 
-def _threads_from_argv(argv: list[str]) -> int | None:
-  """--threads N, read before JAX starts: XLA sizes its CPU pool when the client is created."""
-  parser = argparse.ArgumentParser(add_help=False)
-  parser.add_argument("--threads", type=int)
-  known, _ = parser.parse_known_args(argv)
-  return known.threads
-
-
-if (_threads := _threads_from_argv(sys.argv[1:])) is not None:
-  os.environ["PJRT_NPROC"] = str(_threads)
+_timing.size_xla_pool_from_argv(sys.argv[1:])
 
 _timing.use_source_tree_if_not_installed()
 
