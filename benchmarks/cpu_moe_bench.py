@@ -51,7 +51,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
 import _timing  # noqa: E402
 
-
 _timing.size_xla_pool_from_argv(sys.argv[1:])
 
 _timing.use_source_tree_if_not_installed()
