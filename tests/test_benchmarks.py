@@ -157,3 +157,16 @@ def test_e2e_cpu_plot_reads_the_recorded_runs(monkeypatch):
     names = {r["variant"] for r in rows}
     assert "llama.cpp:Q4_0" in names and "jax:int4+head4" in names
     assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+
+
+def test_model_roofline_plot_reads_the_recorded_run(monkeypatch):
+  # benchmarks/plot_model_roofline.py draws docs/model_h100.png from model_bench.py's JSON.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import plot_model_roofline as plot  # pylint: disable=import-outside-toplevel
+  path = Path(__file__).resolve().parents[1] / "docs" / "data" / "model_h100_l48.json"
+  machine, by_batch = plot.roofline_rows(str(path), bandwidth_gbs=2990.0)
+  assert "H100" in machine and sorted(by_batch) == [1, 64]
+  one = {r["variant"]: r for r in by_batch[1]}
+  # 1587 MB a step at 2.99 TB/s: 1884 tok/s; measured 237.
+  assert abs(one["wna16_all"]["roofline_tok_s"] - 1884) < 5
+  assert 0 < one["wna16_all"]["decode_tok_s"] < one["wna16_all"]["roofline_tok_s"]
