@@ -34,3 +34,21 @@ if os.environ.get("HYPOTHESIS_DATABASE_DIR"):  # keep failing examples to replay
 settings.register_profile("ci", max_examples=100, **_COMMON)
 settings.register_profile("long", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import gc  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+  """Drops every module's compiled executables when it ends. One pytest process compiles a few
+  thousand XLA:CPU executables over the suite; with all of them kept, XLA's compiler died of a
+  segfault past some 600 compilations of one module (above) and, after ~1250 tests of the whole
+  suite, while compiling a `jax.random.randint` (2026-11-26): both in processes that held every
+  earlier executable."""
+  yield
+  jax.clear_caches()
+  gc.collect()
