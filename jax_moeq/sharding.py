@@ -646,24 +646,24 @@ def experts_sharded(expert_fn: Callable[..., Array], x: Array, topk_ids: Array,
 # The route of every scheme (W4A8 CPU / GPU, WNA16, MxInt4 and their references): the oracle
 # chooses an experts class for one shard's share of the layer (E/n_ep experts, I/n_tp), each
 # device's share is prepared by that class's own `prepare` on that device, and each shard runs
-# the class's `apply_routed` (or, for MxInt4, its `apply` with the kernel's routing and
-# expert offset) inside `shard_map`.
+# the class's `apply_routed` (or, for MxInt4 under replicated dispatch, its `apply` with the
+# kernel's routing and expert offset) inside `shard_map`.
 #
 # Replicated dispatch: pairs routed to another shard get id -1, which every experts class skips
 # (SPEC §13: ids outside [0, E) contribute nothing); MxInt4 routes inside its kernel and drops
 # them by its `local_expert_offset` (the rank's static offset, chosen by `lax.switch` on the
-# shard's position). All-to-all dispatch: the received pairs run as one-slot rows; for MxInt4
-# each row carries router logits that make the kernel's Renormalize routing pick that expert
-# with weight 1, and the router weight is applied to the row's output on the expert's shard.
+# shard's position). All-to-all dispatch: the received pairs run as one-slot rows through
+# `apply_routed`; MxInt4 first routes with its kernel's own routing step (`experts.route`, the
+# bits the fused op uses), and its one-slot rows run the kernel with TopK routing over logits
+# that hold the pair's weight, so each pair's output is round(y2 · w) as in the fused op.
 #
 # Combine (all-to-all): each token's shard adds its slots' outputs as its scheme's op does: W4A8
 # rounds after every slot (SPEC §4 step 5), WNA16 and MxInt4 sum in float32 and round once. With
-# EP alone the W4A8 and WNA16 results then equal the single-device op's bit for bit wherever the
-# experts class computes a pair the same in any batch (the CPU W4A8 kernel and the WNA16
-# reference do; the W4A8 reference's float32 sum over groups moves by an ulp with the batch's
-# shape; GPU kernels may reduce in another order: tests/test_sharding_experts.py); MxInt4's
-# pairs round twice (the kernel's output, then times the router weight): at most one more
-# rounding of each pair's output (2^-8 relative in bf16). Replicated dispatch sums the shards'
+# EP alone the results of every scheme then equal the single-device op's bit for bit wherever
+# the experts class computes a pair the same in any batch (the CPU W4A8 kernel, the WNA16 and
+# MxInt4 references and the GPU kernels do, measured in tests/test_sharding_experts.py; the W4A8
+# reference's float32 sum over groups moves by an ulp with the batch's shape). Replicated
+# dispatch sums the shards'
 # partial outputs (each already rounded by its kernel) in float32 and rounds once: the same
 # pairs, another grouping of the top-k sum (bound: K + 1 roundings of the activation dtype).
 # TP: the shards' partial GEMM2 outputs are rounded by their kernel, summed in float32 and
@@ -678,14 +678,11 @@ class ExpertsLayout:
 
   experts: one instance per EP rank, built by the scheme's oracle for E/n_ep experts and I/n_tp
     (they differ only in `parallel_config.ep_rank`, which MxInt4's kernel reads).
-  routed_experts: for kernel-routing (MxInt4) layouts, per rank the same class built for
-    Renormalize top-1 routing (the all-to-all rows); else equal to `experts`.
   scheme: the format the arrays are prepared in (`ExpertsChoice.scheme`).
   kernel_routing: the experts route inside (MxInt4 with a kernel-side routing method).
   """
 
   experts: tuple
-  routed_experts: tuple
   scheme: str
   backend: str
   num_experts: int
@@ -842,19 +839,14 @@ def shard_experts(scheme: str, layer, weights, *, mesh: Mesh, expert_axis: str |
   base = choice.experts
   kernel_routing = choice.scheme == "mxint4" and (
       base.moe_config.routing_method.name != "Unspecified")
-  if kernel_routing:
-    from jax_moeq.oracle.base import RoutingMethodType
-    experts = tuple(_with_rank(base, r, n_ep) for r in range(n_ep))
-    routed = tuple(_with_rank(base, r, n_ep, routing_method=RoutingMethodType.Renormalize,
-                              top_k=1) for r in range(n_ep))
-  else:
-    experts = routed = (base,) * n_ep
-  layout = ExpertsLayout(experts, routed, choice.scheme, choice.name, e, h, i, group_size, mesh,
+  experts = (tuple(_with_rank(base, r, n_ep) for r in range(n_ep)) if kernel_routing
+             else (base,) * n_ep)
+  layout = ExpertsLayout(experts, choice.scheme, choice.name, e, h, i, group_size, mesh,
                          expert_axis, tensor_axis, kernel_routing)
 
   ranks = process_expert_ranks(mesh, expert_axis)
   if callable(weights):
-    block = lambda r: weights(r * per, (r + 1) * per)
+    block = lambda r, a, b: weights(r * per + a, r * per + b)
   else:
     held = weights.w13_q.shape[0]
     if num_experts is None:
@@ -868,14 +860,15 @@ def shard_experts(scheme: str, layer, weights, *, mesh: Mesh, expert_axis: str |
         raise ValueError(f"the weights hold {held} experts; with num_experts={e} this process's "
                          f"EP ranks {list(ranks)} hold {len(ranks) * per}")
       first = {r: k * per for k, r in enumerate(ranks)}
-    block = lambda r: _expert_rows(weights, first[r], first[r] + per)
+    block = lambda r, a, b: _expert_rows(weights, first[r] + a, first[r] + b)
 
   shards: dict[str, list[Array]] = {}
   shapes: dict[str, tuple] = {}
   for device, j, r in _mesh_positions(mesh, expert_axis, tensor_axis):
     with jax.default_device(device):
-      part = _tp_slice(jax.device_put(block(r), device), j, n_tp)
-      arrays = experts[r].prepare(part)
+      arrays = _prepare_in_chunks(
+          lambda a, b: experts[r].prepare(
+              _tp_slice(jax.device_put(block(r, a, b), device), j, n_tp)), per)
       for name, a in arrays.items():
         a = jax.device_put(jnp.asarray(a)[None, None], device)
         if shapes.setdefault(name, a.shape) != a.shape:
@@ -886,6 +879,37 @@ def shard_experts(scheme: str, layer, weights, *, mesh: Mesh, expert_axis: str |
   out = {name: jax.make_array_from_single_device_arrays(
       (n_tp, n_ep) + shapes[name][2:], sharding, parts) for name, parts in shards.items()}
   return layout, out
+
+
+_PREPARE_CHUNK = 16  # experts drawn and prepared at a time on a device
+
+
+def _prepare_in_chunks(prepare: Callable[[int, int], dict[str, Array]], count: int
+                       ) -> dict[str, Array]:
+  """`prepare(start, stop)` of experts [0, count) in chunks of `_PREPARE_CHUNK`, concatenated:
+  a shard's conversion temporaries (int32 codes, transposes) stay those of one chunk, not of all
+  its experts (256 DeepSeek-V3 experts are 5.6 GB of int4 a layer). Every experts class
+  prepares each expert on its own; arrays without an expert axis (placeholders of absent parts)
+  are equal in every chunk and kept once."""
+  if count <= _PREPARE_CHUNK:
+    return dict(prepare(0, count))
+  parts: dict[str, list[Array]] = {}
+  sizes = []
+  for start in range(0, count, _PREPARE_CHUNK):
+    stop = min(count, start + _PREPARE_CHUNK)
+    sizes.append(stop - start)
+    for name, a in prepare(start, stop).items():
+      parts.setdefault(name, []).append(jnp.asarray(a))
+  out = {}
+  for name, arrays in parts.items():
+    if all(a.ndim and a.shape[0] == n for a, n in zip(arrays, sizes)):
+      out[name] = jnp.concatenate(arrays)
+    elif all(a.shape == arrays[0].shape for a in arrays):
+      out[name] = arrays[0]
+    else:
+      raise ValueError(f"prepared array {name!r} has no expert axis and differs between chunks "
+                       f"of experts: {[a.shape for a in arrays]}")
+  return out
 
 
 def _shard_map_unchecked(f, *, mesh: Mesh, in_specs, out_specs):
@@ -911,24 +935,13 @@ def _rank_switch(axis: str | None, n_ep: int, branch: Callable[[int], Array]) ->
 
 def _combine_slots(v: Array, scheme: str, dtype) -> Array:
   """[T, K, H] per-pair outputs -> [T, H] as the scheme's op adds its top-k."""
-  if scheme in _SCHEMES_SUM_ONCE:
-    return reference.round_to_dtype(jnp.sum(v.astype(jnp.float32), axis=1), dtype).astype(dtype)
+  # Slot by slot, as the kernels' finalize adds them (a reduce op may reassociate).
   out = jnp.zeros((v.shape[0], v.shape[-1]), jnp.float32)
   for slot in range(v.shape[1]):
-    out = reference.round_to_dtype(out + v[:, slot].astype(jnp.float32), dtype)
-  return out.astype(dtype)
-
-
-def _row_logits(local_ids: Array, rank: int, local_experts: int, n_ep: int,
-                num_experts: int) -> Array:
-  """Router logits [R, E] under which Renormalize top-1 routing picks global expert rank*L + id
-  with weight 1; rows with id -1 pick an expert of another rank (skipped by the offset)."""
-  valid = local_ids >= 0
-  other = ((rank + 1) % n_ep) * local_experts
-  target = jnp.where(valid, rank * local_experts + local_ids, other)
-  low = jnp.finfo(jnp.float32).min
-  return jnp.where(jnp.arange(num_experts)[None, :] == target[:, None], 0.0, low
-                   ).astype(jnp.float32)
+    out = out + v[:, slot].astype(jnp.float32)
+    if scheme not in _SCHEMES_SUM_ONCE:
+      out = reference.round_to_dtype(out, dtype)
+  return reference.round_to_dtype(out, dtype).astype(dtype)
 
 
 def _routed_rows_fn(layout: ExpertsLayout, arrays: dict[str, Array]
@@ -936,34 +949,15 @@ def _routed_rows_fn(layout: ExpertsLayout, arrays: dict[str, Array]
   """run(rows [R, H], local ids [R, 1], weights [R, 1]) -> [R, H]: one-slot rows on this shard's
   experts (id -1: nothing)."""
   local = _local(arrays)
-  if not layout.kernel_routing:
-    return lambda x, ids, w: layout.experts[0].apply_routed(x, ids, w, local)
-  from jax_moeq.oracle.base import RoutingOptions
-  top1 = RoutingOptions(top_k=1, renormalize=True)
-  n_ep, per = layout.n_ep, layout.local_experts
-
-  def run(x, ids, w):
-    ids = ids[:, 0]
-    rows = jnp.where((ids >= 0)[:, None], x, jnp.zeros((), x.dtype))
-
-    def branch(r):
-      logits = _row_logits(ids, r, per, n_ep, layout.num_experts)
-      return layout.routed_experts[r].apply(rows, logits, local, top1)
-
-    y = _rank_switch(layout.expert_axis, n_ep, branch)
-    return reference.round_to_dtype(y.astype(jnp.float32) * w, x.dtype).astype(x.dtype)
-
-  return run
+  return lambda x, ids, w: layout.experts[0].apply_routed(x, ids, w, local)
 
 
 def _route(layout: ExpertsLayout, logits: Array, routing, correction_bias) -> tuple[Array, Array]:
-  """(topk_weights, topk_ids) as the experts' own routing computes them."""
+  """(topk_weights, topk_ids) as the experts' own routing computes them (MxInt4: the kernel's
+  routing step, so the pairs carry the bits the fused op would use)."""
   if not layout.kernel_routing:
     return routing.select(logits, correction_bias)
-  from jax_moeq import routing as routing_lib
-  return routing_lib.route(logits, routing.top_k, layout.experts[0].moe_config.routing_method,
-                           e_score_correction_bias=correction_bias,
-                           **routing.kernel_routing_kwargs())
+  return layout.experts[0].route(logits, routing, correction_bias)
 
 
 def moe_sharded(x: Array, router_logits: Array, layout: ExpertsLayout, arrays: dict[str, Array],

@@ -362,3 +362,54 @@ def test_handler_rejects_bad_buffers():
   with pytest.raises(Exception, match="fused_decode needs the one_token path"):
     jax.block_until_ready(call(x, logits, jnp.zeros((1,), jnp.float32),
                                *[prepared[n] for n in mxint4_gpu.WEIGHT_KEYS], **attrs))
+
+
+@pytest.mark.parametrize("method", [RM.Renormalize, RM.DeepSeekV3, RM.TopK])
+@pytest.mark.parametrize("t", [1, 77])
+def test_routing_op_is_the_fused_ops_routing(method, t):
+  """`mxint4_routing` runs the fused op's routing kernel alone: the same bits."""
+  e, k, h, i = 64, 6, 256, 128
+  prepared, _ = _experts(7, e, h, i)
+  x, logits, bias = _inputs(int(method) + t, t, e, h)
+  kw = _routing_kwargs(method, e, k, bias)
+  _, ids, w = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=method, **kw)
+  got_w, got_ids = jax.jit(lambda l: mxint4_gpu.mxint4_routing(
+      l, top_k=k, routing_method=method, **kw))(logits)
+  np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids))
+  np.testing.assert_array_equal(np.asarray(got_w), np.asarray(w))
+  with pytest.raises(ValueError, match="top_k"):
+    mxint4_gpu.mxint4_routing(logits, top_k=0)
+
+
+@pytest.mark.parametrize("t", [1, 40])
+def test_one_slot_rows_equal_the_fused_ops_pairs(t):
+  """`HopperMxInt4Experts.apply_routed` (one slot a row, as expert parallelism's exchanged pairs
+  run): the rows of a token's K pairs, summed in float32 in slot order and rounded once, give
+  the fused op's output bit for bit; a row with id -1 gives exactly 0."""
+  from jax_moeq import dispatch
+  from jax_moeq.oracle.base import RoutingOptions
+  from jax_moeq.weights import Int4MoEWeights
+  e, k, h, i = 16, 4, 512, 256
+  _, (q13, s13, q2, s2) = _experts(11, e, h, i)
+  routing_opts = RoutingOptions(top_k=k, renormalize=True)
+  layer = dispatch.LayerSpec(e, h, i, routing_opts, in_dtype=jnp.bfloat16)
+  experts = dispatch.choose_experts("mxint4", layer, group_size=32).experts
+  assert experts.backend_name == "mxint4_gpu", experts
+  arrays = experts.prepare(Int4MoEWeights(q13, s13, q2, s2, 32))
+  x, logits, _ = _inputs(12 + t, t, e, h)
+  want = jax.jit(lambda x, l: experts.apply(x, l, arrays, routing_opts))(x, logits)
+  w, ids = jax.jit(lambda l: experts.route(l, routing_opts))(logits)
+  rows = jnp.repeat(x, k, axis=0)
+  row_ids = ids.reshape(-1, 1).at[0, 0].set(-1)  # one dropped pair
+  one = jax.jit(lambda x, i, w: experts.apply_routed(x, i, w, arrays))
+  v = one(rows, row_ids, w.reshape(-1, 1))
+  assert not np.asarray(v[0].astype(jnp.float32)).any()
+  v = one(rows, ids.reshape(-1, 1), w.reshape(-1, 1)).reshape(t, k, h)
+  got = v[:, 0].astype(jnp.float32)
+  for slot in range(1, k):  # slot order, as the kernel's finalize
+    got = got + v[:, slot].astype(jnp.float32)
+  got = got.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(want.astype(jnp.float32)))
+  with pytest.raises(NotImplementedError, match="one slot per row"):
+    experts.apply_routed(x, ids, w, arrays)

@@ -15,6 +15,7 @@ namespace jax_moeq::ffi_cuda {
 namespace {
 
 const TargetChecks kChecks("jax_moeq_mxint4_moe_cuda");
+const TargetChecks kRoutingChecks("jax_moeq_mxint4_routing_cuda");
 
 ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits,
                          ffi::AnyBuffer bias, ffi::AnyBuffer w13, ffi::AnyBuffer s13,
@@ -133,6 +134,62 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   return ffi::Error::Success();
 }
 
+// The routing alone: router logits -> topk_ids (global), topk_weights, and local_ids (ids of
+// experts [offset, offset + local) minus offset, else -1).
+ffi::Error MxInt4RoutingImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer bias,
+                             ffi::Result<ffi::AnyBuffer> topk_ids,
+                             ffi::Result<ffi::AnyBuffer> topk_weights,
+                             ffi::Result<ffi::AnyBuffer> local_ids, int64_t top_k,
+                             int64_t local_expert_offset, int64_t local_num_experts,
+                             int64_t routing_method, int64_t num_expert_group, int64_t topk_group,
+                             float routed_scaling_factor, bool has_bias) {
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"routing_method", routing_method},
+        {"num_expert_group", num_expert_group}, {"topk_group", topk_group}}) {
+    JAX_MOEQ_RETURN_IF_ERROR(kRoutingChecks.IntAttr(name, value));
+  }
+  cuda::MxInt4MoeProblem p;
+  const auto ld = logits.dimensions();
+  if (ld.size() != 2) {
+    return kRoutingChecks.Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
+  }
+  if (logits.element_type() == ffi::BF16) {
+    p.logits_bf16 = true;
+  } else if (logits.element_type() != ffi::F32) {
+    return kRoutingChecks.Invalid("router_logits must be float32 or bfloat16");
+  }
+  p.tokens = ld[0];
+  p.num_experts = ld[1];
+  p.local_experts = local_num_experts;
+  p.local_offset = local_expert_offset;
+  p.top_k = top_k;
+  p.routing_method = static_cast<int>(routing_method);
+  p.num_expert_group = static_cast<int>(num_expert_group);
+  p.topk_group = static_cast<int>(topk_group);
+  p.routed_scaling_factor = routed_scaling_factor;
+  if (has_bias) {
+    JAX_MOEQ_RETURN_IF_ERROR(kRoutingChecks.Buffer("e_score_correction_bias", bias, ffi::F32,
+                                                   "float32", {p.num_experts}));
+    p.bias = static_cast<const float*>(bias.untyped_data());
+  }
+  std::string err = cuda::ValidateMxInt4Routing(p);
+  if (!err.empty()) return kRoutingChecks.Invalid(err);
+  const int64_t T = p.tokens, K = p.top_k;
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kRoutingChecks.Buffer("topk_ids", *topk_ids, ffi::S32, "int32", {T, K}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kRoutingChecks.Buffer("topk_weights", *topk_weights, ffi::F32, "float32", {T, K}));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kRoutingChecks.Buffer("local_ids", *local_ids, ffi::S32, "int32", {T, K}));
+  p.logits = logits.untyped_data();
+  p.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
+  p.topk_weights = static_cast<float*>(topk_weights->untyped_data());
+  p.local_ids = static_cast<int32_t*>(local_ids->untyped_data());
+  err = cuda::RunMxInt4Routing(p, stream);
+  if (!err.empty()) return kRoutingChecks.Internal(err);
+  return ffi::Error::Success();
+}
+
 // Same, with the output aliased to an extra input (tests poison it).
 ffi::Error MxInt4MoeIntoImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits, ffi::AnyBuffer bias,
@@ -207,4 +264,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMoeqMxInt4MoeCudaInto, jax_moeq::ffi_cuda::MxInt4MoeIntoImpl,
     jax_moeq::ffi_cuda::BindResultsAndAttrs(
         jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqMxInt4RoutingCuda, jax_moeq::ffi_cuda::MxInt4RoutingImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()  // router_logits
+        .Arg<ffi::AnyBuffer>()  // e_score_correction_bias (or placeholder)
+        .Ret<ffi::AnyBuffer>()  // topk_ids
+        .Ret<ffi::AnyBuffer>()  // topk_weights
+        .Ret<ffi::AnyBuffer>()  // local_ids
+        .Attr<int64_t>("top_k")
+        .Attr<int64_t>("local_expert_offset")
+        .Attr<int64_t>("local_num_experts")
+        .Attr<int64_t>("routing_method")
+        .Attr<int64_t>("num_expert_group")
+        .Attr<int64_t>("topk_group")
+        .Attr<float>("routed_scaling_factor")
+        .Attr<bool>("has_bias"),
     {ffi::Traits::kCmdBufferCompatible});

@@ -7,6 +7,7 @@ extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCudaInto(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqMxInt4MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqMxInt4MoeCudaInto(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqMxInt4RoutingCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4a8MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4a8MoeCudaInto(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4a8QuantizeRowsCuda(XLA_FFI_CallFrame* call_frame);
@@ -20,6 +21,7 @@ const char* kTargetNames[] = {
     "jax_moeq_wna16_moe_cuda_into",
     "jax_moeq_mxint4_moe_cuda",
     "jax_moeq_mxint4_moe_cuda_into",
+    "jax_moeq_mxint4_routing_cuda",
     "jax_moeq_w4a8_moe_cuda",
     "jax_moeq_w4a8_moe_cuda_into",
     "jax_moeq_w4a8_quantize_rows_cuda",
@@ -32,6 +34,7 @@ void* kTargetHandlers[] = {
     reinterpret_cast<void*>(&JaxMoeqWna16MoeCudaInto),
     reinterpret_cast<void*>(&JaxMoeqMxInt4MoeCuda),
     reinterpret_cast<void*>(&JaxMoeqMxInt4MoeCudaInto),
+    reinterpret_cast<void*>(&JaxMoeqMxInt4RoutingCuda),
     reinterpret_cast<void*>(&JaxMoeqW4a8MoeCuda),
     reinterpret_cast<void*>(&JaxMoeqW4a8MoeCudaInto),
     reinterpret_cast<void*>(&JaxMoeqW4a8QuantizeRowsCuda),

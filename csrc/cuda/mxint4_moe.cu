@@ -87,7 +87,7 @@ int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p) {
   return Gemm2WorkspaceFloats(p.tokens * p.top_k, p.hidden);
 }
 
-std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
+std::string ValidateMxInt4Routing(const MxInt4MoeProblem& p) {
   if (p.tokens < 0) return "tokens must be >= 0";
   if (p.num_experts < 1 || p.num_experts > kMxInt4MaxExperts) {
     return "num_experts must be in [1, " + std::to_string(kMxInt4MaxExperts) + "]";
@@ -99,17 +99,6 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   if (p.local_experts < 1 || p.local_experts > p.num_experts || p.local_offset < 0 ||
       p.local_offset > p.num_experts - p.local_experts) {
     return "local experts [offset, offset + local_num_experts) must lie in [0, num_experts)";
-  }
-  if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
-  if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
-    return "intermediate size must be a positive multiple of 64";
-  }
-  if (p.hidden > kMaxMoeFeatures || p.intermediate > kMaxMoeFeatures) {
-    return "hidden and intermediate sizes must be at most " + std::to_string(kMaxMoeFeatures);
-  }
-  if (!ScaleWordsFitInt32(p.hidden / kGroupSize, 2 * p.intermediate) ||
-      !ScaleWordsFitInt32(p.intermediate / kGroupSize, p.hidden)) {
-    return "scale groups x outputs of one expert must stay below 2^32 (32-bit offsets)";
   }
   if (!IsSupportedRouting(p.routing_method)) {
     return "routing_method " + std::to_string(p.routing_method) +
@@ -131,6 +120,23 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
     if (p.top_k > p.topk_group * (p.num_experts / g)) {
       return "top_k exceeds the experts of the kept groups";
     }
+  }
+  if (!MoeRowsFitInt32(p.tokens * p.top_k, 1)) return "tokens * top_k must be below 2^31";
+  return "";
+}
+
+std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
+  if (std::string err = ValidateMxInt4Routing(p); !err.empty()) return err;
+  if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
+  if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
+    return "intermediate size must be a positive multiple of 64";
+  }
+  if (p.hidden > kMaxMoeFeatures || p.intermediate > kMaxMoeFeatures) {
+    return "hidden and intermediate sizes must be at most " + std::to_string(kMaxMoeFeatures);
+  }
+  if (!ScaleWordsFitInt32(p.hidden / kGroupSize, 2 * p.intermediate) ||
+      !ScaleWordsFitInt32(p.intermediate / kGroupSize, p.hidden)) {
+    return "scale groups x outputs of one expert must stay below 2^32 (32-bit offsets)";
   }
   if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop);
       !err.empty()) {

@@ -85,6 +85,10 @@ int64_t MxInt4MoeWs2Floats(const MxInt4MoeProblem& p);
 // Shape and routing-argument rules; empty string when fine.
 std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p);
 
+// The routing half of those rules (tokens, experts, top_k, local range, method and its
+// arguments): all that RunMxInt4Routing needs.
+std::string ValidateMxInt4Routing(const MxInt4MoeProblem& p);
+
 // Routing only: logits -> topk_ids, topk_weights, local_ids. Extra CTAs of the same launch
 // zero zero[0, zero_count) (a workspace of the next kernel), when given.
 std::string RunMxInt4Routing(const MxInt4MoeProblem& p, cudaStream_t stream,

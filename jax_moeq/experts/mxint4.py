@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moeq import reference
+from jax_moeq import routing as routing_lib
 from jax_moeq.experts.base import MoEExperts, check_int4_weights, require_arrays
 from jax_moeq.oracle.base import (
     MXINT4_WEIGHT_KEYS, MoEActivation, MoEConfig, MoEParallelConfig, QuantKey, RoutingMethodType,
@@ -91,6 +92,13 @@ class _MxInt4ExpertsBase(MoEExperts):
                 e_score_correction_bias=e_score_correction_bias,
                 **routing.kernel_routing_kwargs())
 
+  def route(self, router_logits: Array, routing: RoutingOptions | None = None,
+            e_score_correction_bias: Array | None = None) -> tuple[Array, Array]:
+    """The (topk_weights f32, topk_ids int32 global) [T, K] that `apply` routes with."""
+    routing = self._kernel_routing(routing)
+    return routing_lib.route(router_logits, **self._route_kwargs(routing,
+                                                                 e_score_correction_bias))
+
 
 class HopperMxInt4Experts(_MxInt4ExpertsBase):
   """The fused GPU kernel, routing inside. Prepared arrays: {"gemm1_weights", "gemm1_scales",
@@ -131,9 +139,43 @@ class HopperMxInt4Experts(_MxInt4ExpertsBase):
         mxint4_gpu.int8_to_signed_nibbles(jnp.asarray(w.w2_q)),
         jnp.asarray(w.w2_scale, jnp.bfloat16))
 
-  def apply_routed(self, hidden_states, topk_ids, topk_weights, weights):
-    raise NotImplementedError("HopperMxInt4Experts routes inside the kernel: call apply() with "
-                              "router logits")
+  def route(self, router_logits: Array, routing: RoutingOptions | None = None,
+            e_score_correction_bias: Array | None = None) -> tuple[Array, Array]:
+    """The kernel's own routing step (`mxint4_routing`): the bits `apply` routes with."""
+    routing = self._kernel_routing(routing)
+    return mxint4_gpu.mxint4_routing(router_logits,
+                                     **self._route_kwargs(routing, e_score_correction_bias))
+
+  def apply_routed(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
+                   weights: Mapping[str, Array]) -> Array:
+    """One slot per token (topk_ids / topk_weights [T, 1], local ids; outside [0, L): nothing),
+    as expert parallelism's exchanged pairs run. The kernel routes TopK over logits that hold
+    the pair's weight at its expert, so each row's output is round(y2 · w), the fused op's
+    arithmetic for that pair. More slots per token have no such logits (TopK would reorder
+    them): NotImplementedError."""
+    require_arrays(type(self).__name__, weights, _GPU_ARRAYS)
+    if topk_ids.ndim != 2 or topk_ids.shape != topk_weights.shape or (
+        topk_ids.shape[0] != hidden_states.shape[0]):
+      raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must "
+                       f"both be [tokens={hidden_states.shape[0]}, K]")
+    if topk_ids.shape[1] != 1:
+      raise NotImplementedError("HopperMxInt4Experts routes inside the kernel: routed pairs run "
+                                "one slot per row (K=1); call apply() with router logits")
+    w13 = weights["gemm1_weights"]
+    local = w13.shape[0]
+    ids = topk_ids[:, 0].astype(jnp.int32)
+    valid = (ids >= 0) & (ids < local)
+    # A row without a local pair routes to expert 0 with weight 0 and zero input: output +0.
+    rows = jnp.where(valid[:, None], hidden_states, jnp.zeros((), hidden_states.dtype))
+    weight = jnp.where(valid, topk_weights[:, 0].astype(jnp.float32), 0.0)
+    target = jnp.where(valid, ids, 0)
+    logits = jnp.where(jnp.arange(local)[None, :] == target[:, None], weight[:, None],
+                       -jnp.inf).astype(jnp.float32)
+    return mxint4_gpu.mxint4_moe(
+        rows, logits, w13, weights["gemm1_scales"], weights["gemm2_weights"],
+        weights["gemm2_scales"], num_experts=local, top_k=1,
+        intermediate_size=self.moe_config.intermediate_size, local_num_experts=local,
+        ep_rank=0, routing_method=RoutingMethodType.TopK)
 
   def apply(self, hidden_states: Array, router_logits: Array, weights: Mapping[str, Array],
             routing: RoutingOptions | None = None,

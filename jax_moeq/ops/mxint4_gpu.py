@@ -46,6 +46,7 @@ Array = jax.Array
 
 FFI_TARGET = "jax_moeq_mxint4_moe_cuda"
 FFI_TARGET_INTO = "jax_moeq_mxint4_moe_cuda_into"
+FFI_TARGET_ROUTING = "jax_moeq_mxint4_routing_cuda"
 GROUP_SIZE = 32
 # Methods the GPU routing kernel implements (everything but Unspecified).
 SUPPORTED_ROUTING_METHODS = tuple(m for m in RoutingMethodType
@@ -452,6 +453,55 @@ def mxint4_moe_with_routing(x: Array, router_logits: Array, w13_packed: Array, w
                                 e_score_correction_bias=None, routed_scaling_factor=None,
                                 routing_method=RoutingMethodType.Renormalize, block_m=None,
                                 out_init=None), **kwargs})
+
+
+def mxint4_routing(router_logits: Array, *, top_k: int,
+                   routing_method: int | RoutingMethodType = RoutingMethodType.Renormalize,
+                   num_expert_group: int | None = None, topk_group: int | None = None,
+                   e_score_correction_bias: Array | None = None,
+                   routed_scaling_factor: float | None = None) -> tuple[Array, Array]:
+  """The routing step of `mxint4_moe` alone, on the GPU: the same kernel, so the same bits as
+  the fused op routes with (`routing.route` semantics; its float rounding may differ from XLA's
+  by an ulp). Expert parallelism routes with it before exchanging pairs.
+
+  Returns:
+    (topk_weights float32 [T, K], topk_ids int32 [T, K] global ids), as `routing.route`.
+  """
+  router_logits = jnp.asarray(router_logits)
+  if router_logits.ndim != 2:
+    raise ValueError(f"router_logits must be [T, num_experts], got shape {router_logits.shape}")
+  if not jnp.issubdtype(router_logits.dtype, jnp.floating):
+    raise TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
+  if router_logits.dtype not in (jnp.float32, jnp.bfloat16):
+    router_logits = router_logits.astype(jnp.float32)
+  t, num_experts = router_logits.shape
+  if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
+    raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+  if num_experts > MAX_EXPERTS:
+    raise ValueError(f"num_experts={num_experts} exceeds the kernel's {MAX_EXPERTS}")
+  if top_k > MAX_TOP_K:
+    raise ValueError(f"top_k={top_k} exceeds the kernel's {MAX_TOP_K}")
+  method = _validate_routing(router_logits, top_k, routing_method, num_expert_group, topk_group,
+                             e_score_correction_bias, routed_scaling_factor)
+  if t == 0:
+    return jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)
+  from jax_moeq import _ffi
+  _ffi.cuda_library()
+  has_bias = e_score_correction_bias is not None
+  bias = (jnp.asarray(e_score_correction_bias, jnp.float32).reshape(num_experts) if has_bias
+          else jnp.zeros((1,), jnp.float32))
+  results = [jax.ShapeDtypeStruct((t, top_k), jnp.int32),    # topk_ids
+             jax.ShapeDtypeStruct((t, top_k), jnp.float32),  # topk_weights
+             jax.ShapeDtypeStruct((t, top_k), jnp.int32)]    # local_ids (every expert local)
+  ids, weights, _ = jax.ffi.ffi_call(FFI_TARGET_ROUTING, results)(
+      router_logits, bias, top_k=np.int64(top_k), local_expert_offset=np.int64(0),
+      local_num_experts=np.int64(num_experts), routing_method=np.int64(int(method)),
+      num_expert_group=np.int64(1 if num_expert_group is None else int(num_expert_group)),
+      topk_group=np.int64(1 if topk_group is None else int(topk_group)),
+      routed_scaling_factor=np.float32(1.0 if routed_scaling_factor is None
+                                       else float(routed_scaling_factor)),
+      has_bias=has_bias)
+  return weights, ids
 
 
 def is_mxint4_moe_available() -> bool:
