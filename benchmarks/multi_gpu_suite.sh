@@ -3,7 +3,8 @@
 # multi-GPU tests (every GPU scheme's sharded experts against one GPU), the whole-model greedy
 # checks (1 vs 2 vs all GPUs in one process; one process per GPU under jax.distributed), and
 # benchmarks/ep_gpu_bench.py. Logs and JSON go to $OUT (or /tmp/multi_gpu_suite).
-#   STAGES="build test model bench" (default); "big" adds benchmarks/ep_model_bench.py, the
+#   STAGES="build test model bench" (default); "exchange" times the exchanges alone under each
+#     of XLA's ragged_all_to_all implementations (benchmarks/ep_exchange_gpu_bench.py); "big" adds benchmarks/ep_model_bench.py, the
 #     Qwen3-235B-A22B-shaped model from from_config(mesh=...) on all GPUs (MODEL_ARGS, default
 #     "--layers 94 --batch 1,64 --dispatch all_to_all": decode and prefill tokens/s, peak memory
 #     per GPU, decode roofline);
@@ -58,6 +59,10 @@ if has test; then
   timeout "$(left)" "$PY" -m pytest -m gpu -q -rs -s --durations=5 \
     tests/test_sharding_experts.py tests/test_sharding.py >"$OUT/test.log" 2>&1
   summary+=("tests (sharded experts, ragged dispatch): $(tail -1 "$OUT/test.log") ($(( SECONDS - start )) s)")
+  # The MxInt4 routing step and one-slot rows that its exchanged pairs run on.
+  timeout "$(left)" "$PY" -m pytest -m gpu -q -rs tests/test_mxint4_gpu.py \
+    -k "routing_op or one_slot" >"$OUT/test_mxint4.log" 2>&1
+  summary+=("tests (MxInt4 routing op, one-slot rows): $(tail -1 "$OUT/test_mxint4.log")")
   grep -E "rel .* bit-identical" "$OUT/test.log" >"$OUT/test_cases.txt" || true
   tail -5 "$OUT/test.log"
 fi
@@ -69,6 +74,21 @@ if has model; then
   summary+=("whole-model greedy checks: $(tail -1 "$OUT/model.log") ($(( SECONDS - start )) s)")
   grep -E "greedy tokens equal" "$OUT/model.log" || true
   tail -5 "$OUT/model.log"
+fi
+
+if has exchange; then
+  # The exchanges alone under each of XLA's ragged_all_to_all implementations (one process each:
+  # XLA reads its flags once). An XLA without a flag aborts at start: that line says so.
+  for flags in "" --xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false \
+               --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true; do
+    [ "$(left)" -gt 60 ] || break
+    tag=${flags:-default}; tag=${tag##*--xla_gpu_unsupported_}
+    XLA_FLAGS="$flags" timeout 120 "$PY" benchmarks/ep_exchange_gpu_bench.py \
+      --label "${flags:-default}" --json "$OUT/exchange_${tag%%=*}.json" \
+      >"$OUT/exchange_${tag%%=*}.txt" 2>&1
+    echo "exchange ${flags:-default}: exit $?"; cat "$OUT/exchange_${tag%%=*}.txt" | tail -12
+  done
+  summary+=("exchange: $(ls "$OUT"/exchange_*.json 2>/dev/null | wc -l) settings")
 fi
 
 if has bench; then
