@@ -17,6 +17,43 @@ namespace {
 const TargetChecks kChecks("jax_moeq_mxint4_moe_cuda");
 const TargetChecks kRoutingChecks("jax_moeq_mxint4_routing_cuda");
 
+// Router logits, correction bias and the routing attributes into p (both targets route).
+ffi::Error DecodeRouting(const TargetChecks& checks, ffi::AnyBuffer logits, ffi::AnyBuffer bias,
+                         int64_t top_k, int64_t local_expert_offset, int64_t routing_method,
+                         int64_t num_expert_group, int64_t topk_group,
+                         float routed_scaling_factor, bool has_bias, cuda::MxInt4MoeProblem* p) {
+  // Attributes narrowed to int below: out of int32 they are refused, not wrapped
+  // (routing_method 2^32 + 2 would otherwise pass as 2).
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"routing_method", routing_method},
+        {"num_expert_group", num_expert_group}, {"topk_group", topk_group}}) {
+    JAX_MOEQ_RETURN_IF_ERROR(checks.IntAttr(name, value));
+  }
+  const auto ld = logits.dimensions();
+  if (ld.size() != 2) {
+    return checks.Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
+  }
+  if (logits.element_type() == ffi::BF16) {
+    p->logits_bf16 = true;
+  } else if (logits.element_type() != ffi::F32) {
+    return checks.Invalid("router_logits must be float32 or bfloat16");
+  }
+  p->num_experts = ld[1];
+  p->local_offset = local_expert_offset;
+  p->top_k = top_k;
+  p->routing_method = static_cast<int>(routing_method);
+  p->num_expert_group = static_cast<int>(num_expert_group);
+  p->topk_group = static_cast<int>(topk_group);
+  p->routed_scaling_factor = routed_scaling_factor;
+  p->logits = logits.untyped_data();
+  if (has_bias) {
+    JAX_MOEQ_RETURN_IF_ERROR(checks.Buffer("e_score_correction_bias", bias, ffi::F32, "float32",
+                                           {p->num_experts}));
+    p->bias = static_cast<const float*>(bias.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits,
                          ffi::AnyBuffer bias, ffi::AnyBuffer w13, ffi::AnyBuffer s13,
                          ffi::AnyBuffer w2, ffi::AnyBuffer s2, ffi::Result<ffi::AnyBuffer> out,
@@ -34,51 +71,34 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
                          float routed_scaling_factor, bool has_bias, int64_t block_m,
                          int64_t split13, int64_t split2, int64_t mainloop, bool one_token,
                          bool fused_decode) {
-  // Attributes narrowed to int below: out of int32 they are refused, not wrapped
-  // (routing_method 2^32 + 2 would otherwise pass as 2).
   for (const auto& [name, value] :
-       {std::pair<const char*, int64_t>{"routing_method", routing_method},
-        {"num_expert_group", num_expert_group}, {"topk_group", topk_group},
-        {"block_m", block_m}, {"split13", split13}, {"split2", split2}, {"mainloop", mainloop}}) {
+       {std::pair<const char*, int64_t>{"block_m", block_m}, {"split13", split13},
+        {"split2", split2}, {"mainloop", mainloop}}) {
     JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr(name, value));
   }
   cuda::MxInt4MoeProblem p;
+  JAX_MOEQ_RETURN_IF_ERROR(DecodeRouting(kChecks, logits, bias, top_k, local_expert_offset,
+                                         routing_method, num_expert_group, topk_group,
+                                         routed_scaling_factor, has_bias, &p));
   const auto xd = x.dimensions();
   if (xd.size() != 2) return kChecks.Invalid("x must be [tokens, hidden], got " + Dims(xd));
   if (x.element_type() != ffi::BF16) return kChecks.Invalid("x must be bfloat16");
   p.tokens = xd[0];
   p.hidden = xd[1];
-  const auto ld = logits.dimensions();
-  if (ld.size() != 2 || ld[0] != p.tokens) {
-    return kChecks.Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
+  if (logits.dimensions()[0] != p.tokens) {
+    return kChecks.Invalid("router_logits must be [tokens, num_experts], got " +
+                           Dims(logits.dimensions()));
   }
-  if (logits.element_type() == ffi::BF16) {
-    p.logits_bf16 = true;
-  } else if (logits.element_type() != ffi::F32) {
-    return kChecks.Invalid("router_logits must be float32 or bfloat16");
-  }
-  p.num_experts = ld[1];
   const auto wd = w13.dimensions();
   if (wd.size() != 5) return kChecks.Invalid("w13 must be packed [L, 2I/16, H/64, 32, 4] uint32");
   p.local_experts = wd[0];
-  p.local_offset = local_expert_offset;
-  p.top_k = top_k;
   p.intermediate = intermediate_size;
-  p.routing_method = static_cast<int>(routing_method);
-  p.num_expert_group = static_cast<int>(num_expert_group);
-  p.topk_group = static_cast<int>(topk_group);
-  p.routed_scaling_factor = routed_scaling_factor;
   p.block_m = static_cast<int>(block_m);
   p.split13 = static_cast<int>(split13);
   p.split2 = static_cast<int>(split2);
   p.mainloop = static_cast<int>(mainloop);
   p.one_token = one_token;
   p.fused_decode = fused_decode;
-  if (has_bias) {
-    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Buffer("e_score_correction_bias", bias, ffi::F32, "float32",
-                                            {p.num_experts}));
-    p.bias = static_cast<const float*>(bias.untyped_data());
-  }
   std::string err = cuda::ValidateMxInt4MoeProblem(p);
   if (!err.empty()) return kChecks.Invalid(err);
 
@@ -113,7 +133,6 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   }
 
   p.x = x.untyped_data();
-  p.logits = logits.untyped_data();
   p.w13 = w13.untyped_data();
   p.s13 = s13.untyped_data();
   p.w2 = w2.untyped_data();
@@ -143,35 +162,12 @@ ffi::Error MxInt4RoutingImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::An
                              int64_t local_expert_offset, int64_t local_num_experts,
                              int64_t routing_method, int64_t num_expert_group, int64_t topk_group,
                              float routed_scaling_factor, bool has_bias) {
-  for (const auto& [name, value] :
-       {std::pair<const char*, int64_t>{"routing_method", routing_method},
-        {"num_expert_group", num_expert_group}, {"topk_group", topk_group}}) {
-    JAX_MOEQ_RETURN_IF_ERROR(kRoutingChecks.IntAttr(name, value));
-  }
   cuda::MxInt4MoeProblem p;
-  const auto ld = logits.dimensions();
-  if (ld.size() != 2) {
-    return kRoutingChecks.Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
-  }
-  if (logits.element_type() == ffi::BF16) {
-    p.logits_bf16 = true;
-  } else if (logits.element_type() != ffi::F32) {
-    return kRoutingChecks.Invalid("router_logits must be float32 or bfloat16");
-  }
-  p.tokens = ld[0];
-  p.num_experts = ld[1];
+  JAX_MOEQ_RETURN_IF_ERROR(DecodeRouting(kRoutingChecks, logits, bias, top_k,
+                                         local_expert_offset, routing_method, num_expert_group,
+                                         topk_group, routed_scaling_factor, has_bias, &p));
+  p.tokens = logits.dimensions()[0];
   p.local_experts = local_num_experts;
-  p.local_offset = local_expert_offset;
-  p.top_k = top_k;
-  p.routing_method = static_cast<int>(routing_method);
-  p.num_expert_group = static_cast<int>(num_expert_group);
-  p.topk_group = static_cast<int>(topk_group);
-  p.routed_scaling_factor = routed_scaling_factor;
-  if (has_bias) {
-    JAX_MOEQ_RETURN_IF_ERROR(kRoutingChecks.Buffer("e_score_correction_bias", bias, ffi::F32,
-                                                   "float32", {p.num_experts}));
-    p.bias = static_cast<const float*>(bias.untyped_data());
-  }
   std::string err = cuda::ValidateMxInt4Routing(p);
   if (!err.empty()) return kRoutingChecks.Invalid(err);
   const int64_t T = p.tokens, K = p.top_k;
@@ -181,7 +177,6 @@ ffi::Error MxInt4RoutingImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::An
       kRoutingChecks.Buffer("topk_weights", *topk_weights, ffi::F32, "float32", {T, K}));
   JAX_MOEQ_RETURN_IF_ERROR(
       kRoutingChecks.Buffer("local_ids", *local_ids, ffi::S32, "int32", {T, K}));
-  p.logits = logits.untyped_data();
   p.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
   p.topk_weights = static_cast<float*>(topk_weights->untyped_data());
   p.local_ids = static_cast<int32_t*>(local_ids->untyped_data());

@@ -258,6 +258,24 @@ def _validate_routing(router_logits, top_k, routing_method, num_expert_group, to
   return method
 
 
+def _routing_operands(router_logits: Array, num_experts: int, top_k: int, **sizes: int
+                      ) -> Array:
+  """Checks the routing's sizes (and `sizes`: more positive ints) against the kernel's limits;
+  router logits as the kernel reads them (float32 or bf16)."""
+  if not jnp.issubdtype(router_logits.dtype, jnp.floating):
+    raise TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
+  for name, v in (("num_experts", num_experts), ("top_k", top_k), *sizes.items()):
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  if num_experts > MAX_EXPERTS:
+    raise ValueError(f"num_experts={num_experts} exceeds the kernel's {MAX_EXPERTS}")
+  if top_k > MAX_TOP_K:
+    raise ValueError(f"top_k={top_k} exceeds the kernel's {MAX_TOP_K}")
+  if router_logits.dtype not in (jnp.float32, jnp.bfloat16):
+    router_logits = router_logits.astype(jnp.float32)
+  return router_logits
+
+
 def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *, num_experts,
                  top_k, intermediate_size, local_num_experts, ep_rank, num_expert_group,
                  topk_group, e_score_correction_bias, routed_scaling_factor, routing_method,
@@ -273,19 +291,9 @@ def _mxint4_call(x, router_logits, w13_packed, w13_scale, w2_packed, w2_scale, *
   if router_logits.ndim != 2 or router_logits.shape != (t, num_experts):
     raise ValueError(f"router_logits must be [T, num_experts] = {(t, num_experts)}, got shape "
                      f"{router_logits.shape}")
-  if not jnp.issubdtype(router_logits.dtype, jnp.floating):
-    raise TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
-  if router_logits.dtype not in (jnp.float32, jnp.bfloat16):
-    router_logits = router_logits.astype(jnp.float32)
-  for name, v in (("num_experts", num_experts), ("top_k", top_k),
-                  ("intermediate_size", intermediate_size),
-                  ("local_num_experts", local_num_experts)):
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
-  if num_experts > MAX_EXPERTS:
-    raise ValueError(f"num_experts={num_experts} exceeds the kernel's {MAX_EXPERTS}")
-  if top_k > MAX_TOP_K:
-    raise ValueError(f"top_k={top_k} exceeds the kernel's {MAX_TOP_K}")
+  router_logits = _routing_operands(router_logits, num_experts, top_k,
+                                    intermediate_size=intermediate_size,
+                                    local_num_experts=local_num_experts)
   if not isinstance(ep_rank, (int, np.integer)) or ep_rank < 0:
     raise ValueError(f"ep_rank must be a non-negative int, got {ep_rank!r}")
   offset = int(ep_rank) * int(local_num_experts)
@@ -470,17 +478,8 @@ def mxint4_routing(router_logits: Array, *, top_k: int,
   router_logits = jnp.asarray(router_logits)
   if router_logits.ndim != 2:
     raise ValueError(f"router_logits must be [T, num_experts], got shape {router_logits.shape}")
-  if not jnp.issubdtype(router_logits.dtype, jnp.floating):
-    raise TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
-  if router_logits.dtype not in (jnp.float32, jnp.bfloat16):
-    router_logits = router_logits.astype(jnp.float32)
   t, num_experts = router_logits.shape
-  if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
-    raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-  if num_experts > MAX_EXPERTS:
-    raise ValueError(f"num_experts={num_experts} exceeds the kernel's {MAX_EXPERTS}")
-  if top_k > MAX_TOP_K:
-    raise ValueError(f"top_k={top_k} exceeds the kernel's {MAX_TOP_K}")
+  router_logits = _routing_operands(router_logits, num_experts, top_k)
   method = _validate_routing(router_logits, top_k, routing_method, num_expert_group, topk_group,
                              e_score_correction_bias, routed_scaling_factor)
   if t == 0:
