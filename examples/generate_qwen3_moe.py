@@ -1,27 +1,32 @@
-"""Generate with a Qwen3-MoE checkpoint: float vs every linear int4 on the CPU W4A8 kernels.
+"""The main job: a trained Qwen3-MoE, float against int4 on the CPU W4A8 kernels.
 
-Without --model the script first writes a small Qwen3-MoE checkpoint with random weights (normal,
-std 0.02; norm weights near 1): `config.json`, `generation_config.json` and `model.safetensors`
-with the config keys and tensor names that transformers writes for `Qwen3MoeForCausalLM`
-(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, ...). It needs numpy only: the safetensors
-file is written here (an 8-byte little-endian header length, a JSON header
-{name: {dtype, shape, data_offsets}}, then the raw little-endian tensor data). With --model DIR it
-reads a float qwen3_moe / mixtral / olmoe checkpoint directory instead (both models are held in
-memory at once).
+By default the script runs the model that ships in examples/tiny_qwen3_moe (trained by
+examples/train_tiny_moe.py on the Python standard library's documentation: 4 layers, hidden 256,
+16 experts, top-2, a 4096-token byte-level BPE). With --model DIR it reads another float qwen3_moe
+/ mixtral / olmoe checkpoint directory; with --random it first writes a Qwen3-MoE checkpoint with
+random weights (normal, std 0.02; norm weights near 1; --layers, --experts, ... set its shape):
+`config.json`, `generation_config.json` and `model.safetensors` with the config keys and tensor
+names that transformers writes for `Qwen3MoeForCausalLM`, written here with numpy alone (an 8-byte
+little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the raw
+little-endian tensor data).
 
-It then loads the directory three times with `jax_moeq.models.from_pretrained`: as stored
-(float), with its experts quantized to int4 while loading (`quantization="w4a8_int8"`: the fused
-CPU W4A8 MoE kernel), and with every linear int4 (`quantize_linears=True,
-lm_head_quantization="int4"`: attention, dense MLPs and the LM head on the CPU W4A8 dense-linear
-kernel too, attention math and KV cache in bfloat16). It generates greedily from the same prompts
-with each, and prints decode and prefill tok/s, the int4 speed-ups, the backends, and how closely
-the int4 models' logits on the prompts agree with float (relative Frobenius difference, argmax
-agreement). Where `llama-cpp-python` and `gguf` are installed (`pip install ".[llama]"`), the
-checkpoint is also written as a Q4_0 GGUF (every linear Q4_0, the LM head included, as ours) and
-llama.cpp's decode and prompt tok/s on the first prompt are printed beside ours, with the same
-thread count.
+It loads the directory three times with `jax_moeq.models.from_pretrained`: as stored (float),
+with its experts quantized to int4 while loading (`quantization="w4a8_int8"`: the fused CPU W4A8
+MoE kernel), and with every linear int4 (`quantize_linears=True, lm_head_quantization="int4"`:
+attention and the LM head on the CPU W4A8 dense-linear kernel too, attention math and KV cache in
+bfloat16). Where the checkpoint has a `tokenizer.json` (and `tokenizers` is installed), each model
+continues the text prompts (--prompt, greedy unless --temperature) and the script prints the three
+continuations; else the prompts are random token ids. It prints decode and prefill tok/s, the int4
+speed-ups, the backends, how closely the int4 models' logits on the prompts agree with float
+(relative Frobenius difference, argmax agreement) and, where the checkpoint has a `heldout.txt`,
+each model's perplexity on its first --ppl-windows windows of 256 tokens and the int4 models'
+difference from float (benchmarks/quality.py measures every scheme on the whole text). Where
+`llama-cpp-python` and `gguf` are installed (`pip install ".[llama]"`), the checkpoint is also
+written as a Q4_0 GGUF (every linear Q4_0, the LM head included, as ours) and llama.cpp's decode
+and prompt tok/s on the first prompt are printed beside ours, with the same thread count.
 
-Run: python examples/generate_qwen3_moe.py [--model DIR] [--layers 2 --experts 64 ...]
+Run: python examples/generate_qwen3_moe.py [--prompt "The for statement"] [--model DIR | --random
+[--layers 2 --experts 64 ...]]
 """
 
 from __future__ import annotations
@@ -176,26 +181,45 @@ def write_qwen3_moe_checkpoint(path: Path, cfg: Mapping[str, Any], seed: int) ->
 
 
 # ------------------------------------------------------------------ load, generate, compare
-def timed_generate(named_models: Mapping[str, Any], prompts: np.ndarray, new_tokens: int,
-                   repeats: int) -> dict[str, dict[str, Any]]:
-  """Greedy generation with each model: a first (compiling) call, then `repeats` rounds over
-  the models in turn; the best prefill and decode rates of each."""
+SHIPPED_MODEL = Path(__file__).resolve().parent / "tiny_qwen3_moe"
+DEFAULT_PROMPTS = ('def read(self, size=-1):\n    """', "The for statement")
+PPL_WINDOW = 256
+
+
+def _prompt_tokens(prompts: np.ndarray | list[list[int]]) -> tuple[int, int]:
+  """(rows, real prompt tokens) of a [B, S] array or a list of token lists."""
+  if isinstance(prompts, np.ndarray):
+    return prompts.shape[0], prompts.size
+  return len(prompts), sum(len(row) for row in prompts)
+
+
+def timed_generate(named_models: Mapping[str, Any], prompts, new_tokens: int, repeats: int,
+                   temperature: float = 0.0) -> dict[str, dict[str, Any]]:
+  """Generation (greedy unless `temperature`, seeded) with each model: a first (compiling) call,
+  then `repeats` rounds over the models in turn; the best prefill and decode rates of each.
+  `prompts`: [B, S] ids, or a list of token lists (left-padded by `generate`)."""
+  import jax
   from jax_moeq import models
-  batch, length = prompts.shape
-  first = {name: models.generate(m, prompts, max_new_tokens=new_tokens)
-           for name, m in named_models.items()}
+  batch, prompt_tokens = _prompt_tokens(prompts)
+
+  def call(m):
+    return models.generate(m, prompts, max_new_tokens=new_tokens, temperature=temperature,
+                           top_p=0.9 if temperature else 1.0, rng=jax.random.key(0))
+
+  first = {name: call(m) for name, m in named_models.items()}
   best = {name: [math.inf, math.inf] for name in named_models}
   for _ in range(repeats):
     for name, m in named_models.items():
-      out = models.generate(m, prompts, max_new_tokens=new_tokens)
+      out = call(m)
       best[name] = [min(best[name][0], out.prefill_seconds),
                     min(best[name][1], out.decode_seconds)]
   runs = {}
   for name, out in first.items():
     decoded = int(np.asarray(out.num_tokens).sum()) - batch  # tokens after each row's first
     prefill_s, decode_s = best[name]
-    runs[name] = {"tokens": np.asarray(out.tokens), "compile_s": out.compile_seconds,
-                  "prefill_tok_s": batch * length / prefill_s,
+    runs[name] = {"tokens": np.asarray(out.tokens), "num_tokens": np.asarray(out.num_tokens),
+                  "compile_s": out.compile_seconds,
+                  "prefill_tok_s": prompt_tokens / prefill_s,
                   "decode_tok_s": decoded / decode_s if decoded > 0 else 0.0}
   return runs
 
@@ -254,11 +278,67 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> float:
   return float(first.mean())
 
 
+def load_tokenizer(path: Path):
+  """The checkpoint's `tokenizer.json` as a `tokenizers.Tokenizer`, or None where there is none
+  (or `tokenizers` is not installed)."""
+  if not (path / "tokenizer.json").is_file():
+    return None
+  try:
+    from tokenizers import Tokenizer
+  except ImportError:
+    return None
+  return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def held_out_windows(path: Path, tokenizer, count: int) -> np.ndarray | None:
+  """The first `count` windows of PPL_WINDOW tokens of the checkpoint's `heldout.txt`, or None."""
+  if tokenizer is None or count < 1 or not (path / "heldout.txt").is_file():
+    return None
+  ids = np.asarray(tokenizer.encode((path / "heldout.txt").read_text(encoding="utf-8")).ids,
+                   np.int32)
+  n = min(count, len(ids) // PPL_WINDOW)
+  return ids[:n * PPL_WINDOW].reshape(n, PPL_WINDOW) if n else None
+
+
+def perplexity(model, windows: np.ndarray, batch: int = 8) -> float:
+  """exp of the mean next-token negative log-likelihood over every window's tokens 1..S-1."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  @nnx.jit
+  def nll(m, ids):
+    logp = jax.nn.log_softmax(m(ids)[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
+
+  total = 0.0
+  for i in range(0, len(windows), batch):
+    chunk = windows[i:i + batch]
+    total += float(nll(model, jnp.asarray(chunk)))
+  return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+def decode_rows(tokenizer, runs: Mapping[str, Any]) -> dict[str, list[str]]:
+  """Each model's generated tokens as text, each row cut at its own length (EOS)."""
+  return {name: [tokenizer.decode(row[:n].tolist())
+                 for row, n in zip(r["tokens"], r["num_tokens"])] for name, r in runs.items()}
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", help="an existing checkpoint directory (default: write a random one)")
-  p.add_argument("--out", help="where to write the random checkpoint (default: a temporary "
-                 "directory, removed at the end)")
+  p.add_argument("--model", help="a checkpoint directory (default: the trained model shipped in "
+                 f"{SHIPPED_MODEL.parent.name}/{SHIPPED_MODEL.name})")
+  p.add_argument("--random", action="store_true",
+                 help="write a Qwen3-MoE checkpoint with random weights (--layers ...) and run it")
+  p.add_argument("--out", help="with --random: where to write the checkpoint (default: a "
+                 "temporary directory, removed at the end)")
+  p.add_argument("--prompt", action="append",
+                 help=f"text to continue (repeatable; default: {list(DEFAULT_PROMPTS)}); needs "
+                 "the checkpoint's tokenizer.json")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="0: greedy (the default); else sampling with top-p 0.9, seeded")
+  p.add_argument("--ppl-windows", type=int, default=16,
+                 help="windows of 256 held-out tokens for the perplexity (0: none)")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--hidden", type=int, default=1024)
   p.add_argument("--heads", type=int, default=16)
@@ -272,15 +352,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="dtype of the written checkpoint")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="dtype the models run in (float32: XLA's fastest float path on CPU)")
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--prompt-len", type=int, default=16)
-  p.add_argument("--max-new-tokens", type=int, default=32)
+  p.add_argument("--batch", type=int, default=1, help="rows of random prompt ids (no tokenizer)")
+  p.add_argument("--prompt-len", type=int, default=16, help="length of random prompt ids")
+  p.add_argument("--max-new-tokens", type=int, default=48)
   p.add_argument("--repeats", type=int, default=3,
                  help="timed generate calls per model, alternating between the models")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
                  help="skip the llama.cpp comparison even where llama-cpp-python is installed")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.random and args.model:
+    p.error("--random writes its own checkpoint: leave out --model")
+  if args.out and not args.random:
+    p.error("--out is where --random writes its checkpoint: add --random")
+  return args
 
 
 # name -> from_pretrained keywords
@@ -306,58 +391,93 @@ def run(path: Path, args: argparse.Namespace) -> dict[str, Any]:
   named = {name: model for name, (model, _) in loaded.items()}
   float_model = named["float"]
   cfg = float_model.config
-  prompts = np.random.default_rng(args.seed).integers(
-      0, cfg.vocab_size, (args.batch, args.prompt_len), dtype=np.int32)
-  runs = timed_generate(named, prompts, args.max_new_tokens, args.repeats)
-  reference_logits = prompt_logits(float_model, prompts)
-  agreement = {name: logit_agreement(prompt_logits(named[name], prompts), reference_logits)
+  tokenizer = load_tokenizer(path)
+  if args.prompt and tokenizer is None:
+    raise SystemExit(f"--prompt needs {path / 'tokenizer.json'} and the `tokenizers` package")
+  texts = list(args.prompt or DEFAULT_PROMPTS) if tokenizer is not None else None
+  if texts is not None:
+    prompts: Any = [tokenizer.encode(t).ids for t in texts]
+    if min(map(len, prompts)) == 0:
+      raise SystemExit("--prompt: an empty prompt has no tokens to continue")
+    logit_rows = np.asarray([prompts[0]], np.int32)
+  else:
+    prompts = np.random.default_rng(args.seed).integers(
+        0, cfg.vocab_size, (args.batch, args.prompt_len), dtype=np.int32)
+    logit_rows = prompts
+  # Rates on the first prompt alone when the prompts are texts (batch 1, as llama.cpp's line);
+  # the continuations of every prompt from one more call per model.
+  runs = timed_generate(named, prompts[:1] if texts is not None else prompts,
+                        args.max_new_tokens, args.repeats, args.temperature)
+  text_runs = timed_generate(named, prompts, args.max_new_tokens, 0,
+                             args.temperature) if texts is not None else runs
+  reference_logits = prompt_logits(float_model, logit_rows)
+  agreement = {name: logit_agreement(prompt_logits(named[name], logit_rows), reference_logits)
                for name in VARIANTS if name != "float"}
-  same_prefix = {name: common_prefix(runs[name]["tokens"], runs["float"]["tokens"])
+  same_prefix = {name: common_prefix(text_runs[name]["tokens"], text_runs["float"]["tokens"])
                  for name in agreement}
+  windows = held_out_windows(path, tokenizer, args.ppl_windows)
+  ppl = {name: perplexity(m, windows) for name, m in named.items()} if windows is not None else {}
   backends = {}
   for model in named.values():
     backends.update(model.moe_backends())
   linear_backends = named["all_int4"].linear_backends()
   threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  llama = llama_cpp_rates(path, prompts[0], args.max_new_tokens, args.repeats,
+  first_prompt = np.asarray(prompts[0], np.int32)
+  llama = llama_cpp_rates(path, first_prompt, args.max_new_tokens, args.repeats,
                           threads) if args.llama_cpp else None
-  print(f"model: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_experts} experts (top-{cfg.top_k}, {cfg.moe_intermediate_size} wide), "
-        f"vocab {cfg.vocab_size}, {float_model.dtype} on {jax.default_backend()} "
-        f"({jax.device_count()} device)")
+  print(f"model: {path.name}: {cfg.model_type}, {cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, {cfg.num_experts} experts (top-{cfg.top_k}, "
+        f"{cfg.moe_intermediate_size} wide), vocab {cfg.vocab_size}, {float_model.dtype} on "
+        f"{jax.default_backend()} ({jax.device_count()} device)")
   print("loaded in " + ", ".join(f"{load_s:.1f} s ({name})" for name, (_, load_s)
                                  in loaded.items())
         + f"; MoE backends: {backends}; linear backends (all_int4): {linear_backends}")
-  print(f"batch {args.batch}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
-        f"(greedy), best of {args.repeats} alternating calls after compiling")
+  mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-p 0.9"
+  batch, prompt_tokens = _prompt_tokens(prompts[:1] if texts is not None else prompts)
+  decoded = None
+  if texts is not None:
+    decoded = decode_rows(tokenizer, text_runs)
+    for row, text in enumerate(texts):
+      print(f"\nprompt: {text!r}")
+      for name in VARIANTS:
+        print(f"  {name:9s} {text + decoded[name][row]!r}")
+    print()
+  print(f"batch {batch}, {prompt_tokens} prompt tokens, up to {args.max_new_tokens} new tokens "
+        f"({mode}), best of {args.repeats} alternating calls after compiling")
   for name, r in runs.items():
     print(f"  {name:9s}  decode tok/s {r['decode_tok_s']:8.1f}   prefill tok/s "
           f"{r['prefill_tok_s']:8.1f}   compile {r['compile_s']:.1f} s")
   if llama is not None:
     print(f"  {'llama.cpp':9s}  decode tok/s {llama['decode_tok_s']:8.1f}   prompt tok/s "
-          f"{llama['prefill_tok_s']:8.1f}   (Q4_0 GGUF, every linear Q4_0, batch 1, "
+          f"{llama['prefill_tok_s']:8.1f}   (Q4_0 GGUF, every linear Q4_0, the first prompt, "
           f"{threads} threads)")
   f = runs["float"]
   speedups = {name: runs[name]["decode_tok_s"] / f["decode_tok_s"] for name in agreement}
   for name in agreement:
     q, a = runs[name], agreement[name]
     print(f"{name}: decode speed-up over float {speedups[name]:.2f}x, prefill "
-          f"{q['prefill_tok_s'] / f['prefill_tok_s']:.2f}x; logits on the prompts vs float: "
+          f"{q['prefill_tok_s'] / f['prefill_tok_s']:.2f}x; logits on the first prompt vs float: "
           f"relative Frobenius difference {a['rel_frobenius']:.3f}, argmax agreement "
-          f"{a['argmax_agreement']:.1%}; greedy tokens equal for the first "
-          f"{same_prefix[name]:.1f} of {args.max_new_tokens} (mean over rows)")
-  if llama is not None and args.batch == 1:
+          f"{a['argmax_agreement']:.1%}; generated tokens equal for the first "
+          f"{same_prefix[name]:.1f} of {args.max_new_tokens} (mean over prompts)")
+  if ppl:
+    print(f"held-out perplexity ({windows.shape[0]} windows of {PPL_WINDOW} tokens of "
+          f"heldout.txt): float {ppl['float']:.2f}; "
+          + "; ".join(f"{name} {ppl[name]:.2f} ({ppl[name] - ppl['float']:+.2f}, "
+                      f"{ppl[name] / ppl['float'] - 1:+.2%})" for name in agreement))
+  if llama is not None and batch == 1:
     print(f"all_int4 decode over llama.cpp Q4_0: "
           f"{runs['all_int4']['decode_tok_s'] / llama['decode_tok_s']:.2f}x")
   return {**runs, "speedup": speedups, "backends": backends, "linear_backends": linear_backends,
           "same_prefix": same_prefix, "agreement": agreement, "llama_cpp": llama,
+          "texts": decoded, "prompts": texts, "perplexity": ppl,
           "load_s": {name: load_s for name, (_, load_s) in loaded.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = _parse_args(argv)
-  if args.model is not None:
-    return run(Path(args.model), args)
+  if not args.random:
+    return run(Path(args.model) if args.model else SHIPPED_MODEL, args)
   path = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="qwen3_moe_"))
   try:
     start = time.perf_counter()
