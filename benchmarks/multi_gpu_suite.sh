@@ -10,6 +10,9 @@
 #     per GPU, decode roofline);
 #   BENCH_ARGS: ep_gpu_bench.py's arguments (default: both shapes, 1 and all GPUs, T per GPU
 #     16 / 1024 / 4096, the three dispatches, 8 layers, NCCL kernels profiled);
+#   BENCH_XLA_FLAGS: XLA_FLAGS of the bench's process only (e.g. XLA's ragged_all_to_all
+#     decomposer, see the exchange stage);
+#   Stages run in the order test, model, exchange, big, bench;
 #   LIMIT: seconds the whole run may take (default 570: a device call's 600 s, less a margin);
 #     each stage gets what is left, the bench stops starting configurations in time.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the others: /work/.library/device/KINDS.md).
@@ -84,28 +87,11 @@ if has exchange; then
     [ "$(left)" -gt 60 ] || break
     tag=${flags:-default}; tag=${tag##*--xla_gpu_unsupported_}
     XLA_FLAGS="$flags" timeout 120 "$PY" benchmarks/ep_exchange_gpu_bench.py \
-      --label "${flags:-default}" --json "$OUT/exchange_${tag%%=*}.json" \
+      --label="${flags:-default}" --json "$OUT/exchange_${tag%%=*}.json" \
       >"$OUT/exchange_${tag%%=*}.txt" 2>&1
     echo "exchange ${flags:-default}: exit $?"; cat "$OUT/exchange_${tag%%=*}.txt" | tail -12
   done
   summary+=("exchange: $(ls "$OUT"/exchange_*.json 2>/dev/null | wc -l) settings")
-fi
-
-if has bench; then
-  budget=$(( $(left) - 90 ))  # the configuration under way when the budget runs out finishes
-  if [ "$budget" -gt 30 ]; then
-    n=$("$PY" -c 'import jax; print(len(jax.devices("gpu")))' 2>/dev/null || echo 1)
-    # shellcheck disable=SC2086
-    timeout "$(left)" "$PY" benchmarks/ep_gpu_bench.py \
-      ${BENCH_ARGS:---shapes dsv3,qwen235 --gpus 1,$n --tokens 16,1024,4096 \
-        --dispatch all_to_all,ragged_all_to_all,replicated --layers 8 --profile} \
-      --budget-seconds "$budget" --json "$OUT/ep_gpu_bench.json" \
-      2>"$OUT/ep_gpu_bench.err" | tee "$OUT/ep_gpu_bench.txt"
-    summary+=("bench: exit ${PIPESTATUS[0]}, $(grep -c '^| ' "$OUT/ep_gpu_bench.txt") rows")
-    tail -5 "$OUT/ep_gpu_bench.err"
-  else
-    summary+=("bench: skipped (${budget} s left)")
-  fi
 fi
 
 if has big; then
@@ -116,6 +102,23 @@ if has big; then
     2>"$OUT/ep_model_bench.err" | tee "$OUT/ep_model_bench.txt"
   summary+=("big model: exit ${PIPESTATUS[0]} ($(( SECONDS - start )) s)")
   tail -5 "$OUT/ep_model_bench.err"
+fi
+
+if has bench; then
+  budget=$(( $(left) - 90 ))  # the configuration under way when the budget runs out finishes
+  if [ "$budget" -gt 30 ]; then
+    n=$("$PY" -c 'import jax; print(len(jax.devices("gpu")))' 2>/dev/null || echo 1)
+    # shellcheck disable=SC2086
+    XLA_FLAGS="${BENCH_XLA_FLAGS:-${XLA_FLAGS:-}}" timeout "$(left)" "$PY" benchmarks/ep_gpu_bench.py \
+      ${BENCH_ARGS:---shapes dsv3,qwen235 --gpus 1,$n --tokens 16,1024,4096 \
+        --dispatch all_to_all,ragged_all_to_all,replicated --layers 8 --profile} \
+      --budget-seconds "$budget" --json "$OUT/ep_gpu_bench.json" \
+      2>"$OUT/ep_gpu_bench.err" | tee "$OUT/ep_gpu_bench.txt"
+    summary+=("bench: exit ${PIPESTATUS[0]}, $(grep -c '^| ' "$OUT/ep_gpu_bench.txt") rows")
+    tail -5 "$OUT/ep_gpu_bench.err"
+  else
+    summary+=("bench: skipped (${budget} s left)")
+  fi
 fi
 
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

@@ -376,3 +376,29 @@ def test_sharded_experts_on_gpus_match_one_gpu(tmp_path):
   print(proc.stdout[-20000:])
   assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
       f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
+
+
+@pytest.mark.parametrize("scheme,backend", [("wna16", "reference"), ("w4a8_int8", "cpu_int4")])
+def test_shards_prepare_their_experts_in_chunks(scheme, backend):
+  """`shard_experts` prepares a shard's experts 16 at a time (bounded temporaries): the arrays
+  equal one `prepare` of all of them, for canonical arrays and for the CPU kernel's packing."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_moeq import dispatch, sharding as sh
+  from jax_moeq.oracle.base import RoutingOptions
+  from jax_moeq.weights import FloatMoEWeights, quantize_moe_weights
+  e, h, i = 40, 64, 64  # chunks of 16, 16 and 8
+  r = np.random.default_rng(7)
+  w = quantize_moe_weights(FloatMoEWeights(
+      jnp.array(r.normal(size=(e, 2 * i, h)), jnp.float32),
+      jnp.array(r.normal(size=(e, h, i)), jnp.float32)), 32)
+  layer = dispatch.LayerSpec(e, h, i, RoutingOptions(top_k=2, renormalize=True),
+                             in_dtype=jnp.float32)
+  experts = dispatch.choose_experts(scheme, layer, group_size=32, moe_backend=backend).experts
+  whole = experts.prepare(w)
+  mesh = sh.make_mesh(1, 1, devices=jax.devices()[:1])
+  _, arrays = sh.shard_experts(scheme, layer, w, mesh=mesh, group_size=32, moe_backend=backend)
+  assert set(arrays) == set(whole)
+  for name, a in whole.items():
+    np.testing.assert_array_equal(np.asarray(arrays[name])[0, 0], np.asarray(a), err_msg=name)

@@ -192,8 +192,13 @@ def generate(model: MoECausalLM, input_ids, *, max_new_tokens: int, temperature:
   compiled = _COMPILED.get(key)
   if compiled is None:
     prefill = _PREFILL.lower(graphdef, state, ids, pad, rng, **prefill_kw).compile()
-    first, cache, rng_out = jax.eval_shape(
+    shapes = jax.eval_shape(
         lambda st, i, p, r: _prefill(graphdef, st, i, p, r, **prefill_kw), state, ids, pad, rng)
+    # Decode takes prefill's outputs as they come: on a mesh XLA may split the KV cache along
+    # any axis (its positions when the batch does not divide the mesh).
+    first, cache, rng_out = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+        prefill.output_shardings)
     decode = _DECODE.lower(graphdef, state, cache, first, pad, rng_out, **decode_kw).compile()
     compiled = _COMPILED[key] = (prefill, decode)
   compile_seconds = time.perf_counter() - t0
