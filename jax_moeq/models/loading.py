@@ -71,7 +71,7 @@ def decoder_config(cfg_json: Mapping[str, Any], generation: Mapping[str, Any] | 
                    *, source: str = "config.json") -> config_lib.DecoderConfig:
   """The `DecoderConfig` of a `config.json` dict, by its `model_type`."""
   model_type = cfg_json.get("model_type")
-  if model_type not in ARCHITECTURES:
+  if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
     raise config_lib.ConfigError(f"{source}: model_type={model_type!r} is not supported; "
                                  f"supported: {sorted(ARCHITECTURES)}")
   try:
