@@ -49,3 +49,20 @@ def test_bench_smoke_on_cpu_devices(tmp_path):
   assert all(r["layer_us"] > 0 and r["backend"] == "reference" for r in rows)
   assert rows[1]["weak_scaling"] is not None and rows[2]["bytes_per_gpu"] > 0
   assert "| tiny | 2 | 4 | all_to_all | reference |" in proc.stdout
+
+
+def test_plot_series_of_the_recorded_runs():
+  """docs/ep_gpu.png's series from the committed JSONs: every dispatch on 2 GPUs, the weak-
+  scaling baseline below each, and the default ragged exchange far below the dense one."""
+  import plot_ep_gpu  # noqa: E402
+  with open(os.path.join(ROOT, "docs", "data", "ep_gpu_bench_dsv3_h200x2.json")) as f:
+    layers = plot_ep_gpu.layer_series(json.load(f)["rows"])
+  assert {"2 GPUs, all_to_all", "2 GPUs, replicated", "1 GPU, E/2 experts"} <= set(layers)
+  base = dict(layers["1 GPU, E/2 experts"])
+  for t, us in layers["2 GPUs, all_to_all"]:
+    assert us > base[t] > 0, (t, us, base[t])
+  with open(os.path.join(ROOT, "docs", "data", "ep_exchange_h200x2.json")) as f:
+    exchange = plot_ep_gpu.exchange_series(json.load(f))
+  dense = dict(exchange["all_to_all"])
+  for t, gbps in exchange["ragged_all_to_all (default)"]:
+    assert gbps < dense[t], (t, gbps, dense[t])
