@@ -19,6 +19,24 @@ fresh routings. Printed per T:
   machine's DRAM read bandwidth (measured here on an array 8x the last-level cache);
 - int8 GOP/s: 2·T·K·(2I·H + H·I) / time.
 
+KTransformers' kt-kernel (`--baselines ktk`, on by default, skipped with the reason printed when
+it does not import): its AMXINT4 / AMXINT8 experts (`--ktk-methods`), quantized by its own online
+quantizer from the same float weights (ours: q·scale in bf16), `--layers` layers chained through
+the same residual with their own weights and the same routings, on a kt-kernel worker pool of the
+same thread count, interleaved call by call with ours. kt-kernel picks its build by the CPU flags
+(AMX on Sapphire Rapids and later, else AVX-512, else AVX2; `--ktk-variant` overrides); its AVX2
+build has no online int4/int8 quantizer, so there the peer is skipped with that reason. It is driven
+through its extension (`CPUInfer.submit` / `sync` of `forward_task`), as its `KTMoEWrapper.forward`
+does on its synchronous path: the wrapper itself needs pinned host buffers (torch without an
+accelerator refuses `pin_memory`) and, on its default path, a CUDA stream that it hands to
+`cudaLaunchHostFunc`; with no CUDA device that launch fails unchecked and `forward` returns
+zeros, and with one the MoE runs on the driver's callback thread after `forward` has returned
+(`KT_FORCE_SYNC_SUBMIT=1` makes the wrapper submit and wait on the host, the stream ignored). Its
+output on layer 0 is checked against the float reference (`reference.fused_moe_float` on the same
+bf16 weights), ours beside it. `--ktk-path DIR` (or JAX_MOEQ_KTK_PATH) puts a folder holding
+kt_kernel, kt_kernel.libs and gguf first on sys.path (kt-kernel pins a torch version; unpacked with
+--no-deps it runs on the torch already installed).
+
 Optional peers (`--baselines`): the jnp reference of the scheme and unquantized bf16 in XLA
 (`ragged_dot` or a dense einsum, whichever is faster), on one layer (its bf16 weights alone are
 4x ours), each time-boxed (`--baseline-budget`).
@@ -32,6 +50,8 @@ against T (ours and the peers) and the DRAM fraction (needs matplotlib).
     python benchmarks/cpu_moe_bench.py                         # every shape, T 1..512
     python benchmarks/cpu_moe_bench.py --shapes olmoe --tokens 1,8,128,512 --plot cpu.png
     python benchmarks/cpu_moe_bench.py --shapes olmoe --tokens 1,128 --thread-scaling 1,2,4,8,16
+    python benchmarks/cpu_moe_bench.py --shapes olmoe --tokens 1,8,128 --baselines ort,ktk \
+        --ktk-path .carry/ktk --ktk-methods AMXINT4,AMXINT8
 """
 
 from __future__ import annotations
@@ -302,6 +322,196 @@ def ort_session(shape: Shape, seed: int, threads: int, layers: range,
   return session, f"onnxruntime {ort.__version__}"
 
 
+KTK_METHODS = ("AMXINT4", "AMXINT8")  # kt-kernel's int4 / int8 experts, quantized online from bf16
+KTK_M_STEP = 32  # its token buffers are sized in steps of this many rows
+
+
+def ktk_import(path: str | None, variant: str | None):
+  """(kt_kernel, None) or (None, why): kt-kernel imported from `path` (first on sys.path) or from
+  wherever Python finds it, with its build chosen by the CPU flags or by `variant`."""
+  if path:
+    if not os.path.isdir(path):
+      return None, f"--ktk-path {path!r} is not a directory"
+    sys.path.insert(0, os.path.abspath(path))
+  if variant:
+    os.environ["KT_KERNEL_CPU_VARIANT"] = variant
+  try:
+    import kt_kernel
+  except Exception as err:  # ImportError, or its loader's RuntimeError / OSError
+    return None, (f"kt-kernel does not import ({type(err).__name__}: "
+                  f"{str(err).splitlines()[0][:200] if str(err) else ''}); `pip install --no-deps "
+                  "kt-kernel` (it pins its own torch) or pass --ktk-path")
+  return kt_kernel, None
+
+
+def _torch_bf16(a: np.ndarray):
+  """A torch bf16 tensor sharing an ml_dtypes bf16 array's bytes (made contiguous first)."""
+  import torch
+  a = np.array(a, copy=True, order="C")  # writable and contiguous: torch refuses read-only arrays
+  return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+class KtkLayers:
+  """kt-kernel experts of `layers` layers for each method, on one worker pool of `threads` threads,
+  quantized by kt-kernel from the layers' bf16 weights (gate = w13[:, :I], up = w13[:, I:])."""
+
+  def __init__(self, kt_kernel, shape: Shape, stacks: list[Experts], methods: list[str],
+               threads: int, max_tokens: int):
+    import torch
+    ext = kt_kernel.kt_kernel_ext
+    self.torch = torch
+    self.shape = shape
+    self.variant = str(kt_kernel.__cpu_variant__)
+    self.version = str(getattr(kt_kernel, "__version__", "?"))
+    config = ext.WorkerPoolConfig()
+    config.subpool_count = 1
+    config.subpool_numa_map = [0]
+    config.subpool_thread_count = [threads]
+    self.cpu_infer = ext.CPUInfer(config)
+    # Token buffers hold max_len rows; longer calls would overrun them.
+    self.max_len = KTK_M_STEP * max(1, math.ceil(max_tokens / KTK_M_STEP))
+    self.gpu_mask = torch.zeros(shape.num_experts, dtype=torch.bool)  # every expert on the CPU
+    self.expert_map = torch.arange(shape.num_experts, dtype=torch.int64)
+    classes = {"AMXINT4": "AMXInt4_MOE", "AMXINT8": "AMXInt8_MOE"}
+    self.skipped: dict[str, str] = {}
+    self.methods: dict[str, list] = {}
+    for method in methods:
+      cls = getattr(ext.moe, classes[method], None)
+      if cls is None:
+        self.skipped[method] = (f"kt-kernel's {self.variant} build has no {classes[method]} "
+                                "(its AVX2 build quantizes no int4/int8 experts online)")
+      else:
+        self.methods[method] = []
+    i = shape.intermediate_size
+    for layer, experts in enumerate(stacks):
+      had_bf16 = experts._bf16 is not None
+      w13, w2 = (np.asarray(a) for a in experts.bf16())
+      gate, up, down = _torch_bf16(w13[:, :i]), _torch_bf16(w13[:, i:]), _torch_bf16(w2)
+      del w13, w2
+      for method in self.methods:
+        self.methods[method].append(self._load(ext, cls_name=classes[method], layer=layer,
+                                               gate=gate, up=up, down=down))
+      del gate, up, down
+      if not had_bf16:
+        experts._bf16 = None
+
+  def _load(self, ext, *, cls_name: str, layer: int, gate, up, down):
+    """One layer's experts, quantized from bf16 by kt-kernel (nothing written to disk)."""
+    s = self.shape
+    config = ext.moe.MOEConfig(s.num_experts, s.top_k, s.hidden_size, s.intermediate_size,
+                               self.gpu_mask.data_ptr())
+    config.layer_idx = layer
+    config.pool = self.cpu_infer.backend_
+    config.max_len = self.max_len
+    config.save, config.load = False, False
+    config.gate_proj, config.up_proj, config.down_proj = (
+        gate.data_ptr(), up.data_ptr(), down.data_ptr())
+    moe = getattr(ext.moe, cls_name)(config)
+    self.cpu_infer.submit(moe.load_weights_task(self.expert_map.data_ptr()))
+    self.cpu_infer.sync()
+    return moe
+
+  def feeds(self, routings: list) -> list:
+    """(topk_ids int64, topk_weights f32) torch tensors of each routing (ids, w, logits)."""
+    torch = self.torch
+    return [(torch.from_numpy(np.asarray(ids).astype(np.int64)),
+             torch.from_numpy(np.asarray(w, np.float32).copy())) for ids, w, _ in routings]
+
+  def caller(self, method: str, x: np.ndarray, feeds: list, layers: int):
+    """call(j): every layer l on feeds[(j * layers + l) % len(feeds)], chained as ours are
+    (x <- x + moe_l(x), bf16), each layer submitted and waited for; returns x."""
+    torch = self.torch
+    moes = self.methods[method][:layers]
+    tokens = x.shape[0]
+    if tokens > self.max_len:
+      raise ValueError(f"kt-kernel peer: T={tokens} exceeds its buffers' {self.max_len} rows")
+    x0 = _torch_bf16(x)
+    y = torch.empty_like(x0)
+    out = torch.empty_like(x0)
+    qlen = torch.tensor([tokens], dtype=torch.int32)
+    k = self.shape.top_k
+
+    def call(j):
+      y.copy_(x0)
+      for l, moe in enumerate(moes):
+        ids, w = feeds[(j * layers + l) % len(feeds)]
+        self.cpu_infer.submit(moe.forward_task(qlen.data_ptr(), k, ids.data_ptr(), w.data_ptr(),
+                                               y.data_ptr(), out.data_ptr(), False))
+        self.cpu_infer.sync()
+        y.add_(out)
+      return y
+    return call
+
+  def one_layer(self, method: str, x: np.ndarray, ids, w) -> np.ndarray:
+    """Layer 0 alone on one routing, as float32 numpy."""
+    torch = self.torch
+    x0 = _torch_bf16(x)
+    out = torch.full_like(x0, float("nan"))  # poisoned: a row the kernel skips shows
+    (ids_t, w_t), = self.feeds([(ids, w, None)])
+    qlen = torch.tensor([x.shape[0]], dtype=torch.int32)
+    self.cpu_infer.submit(self.methods[method][0].forward_task(
+        qlen.data_ptr(), self.shape.top_k, ids_t.data_ptr(), w_t.data_ptr(), x0.data_ptr(),
+        out.data_ptr(), False))
+    self.cpu_infer.sync()
+    return out.float().numpy()
+
+
+def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> KtkLayers | None:
+  """kt-kernel's layers for this shape, or None with the reason in `notes` (and printed)."""
+  kt_kernel, why = ktk_import(args.ktk_path, args.ktk_variant)
+  if kt_kernel is None:
+    notes.append(f"kt-kernel skipped: {why}")
+    progress(f"kt-kernel skipped: {why}")
+    return None
+  threads = args.ktk_threads or args.threads_used
+  progress(f"{shape.name}: kt-kernel quantizing {len(stacks)} layers from bf16 "
+           f"({','.join(args.ktk_methods)}, {threads} threads)")
+  start = time.perf_counter()
+  try:
+    ktk = KtkLayers(kt_kernel, shape, stacks, args.ktk_methods, threads, max(args.tokens))
+  except Exception as err:  # its extension raises RuntimeError on shapes it refuses
+    why = f"kt-kernel refused {shape.name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    notes.append(why)
+    progress(why)
+    return None
+  for method, why in ktk.skipped.items():
+    notes.append(f"kt-kernel {method} skipped: {why}")
+    progress(f"kt-kernel {method} skipped: {why}")
+  if not ktk.methods:
+    return None
+  notes.append(f"kt-kernel {ktk.version} ({ktk.variant} build): {', '.join(ktk.methods)}, "
+               f"quantized by its online quantizer from the bf16 weights in "
+               f"{time.perf_counter() - start:.0f} s; {len(stacks)} layers chained as ours, one "
+               f"worker pool of {threads} threads, each layer submitted and waited for "
+               "(CPUInfer.submit / sync, the caller spinning)")
+  return ktk
+
+
+def ktk_accuracy(shape: Shape, experts: Experts, ktk: KtkLayers, ours, packed, x, routing,
+                 tokens: int) -> str:
+  """Layer 0 on one routing, ours and kt-kernel's against the float reference on the same bf16
+  weights (fused_moe_float: float32 GEMMs, bf16 rounding points)."""
+  from jax_moeq import reference
+  ids, w, _ = routing
+  had_bf16 = experts._bf16 is not None
+  w13, w2 = experts.bf16()
+  want = np.asarray(jax.jit(reference.fused_moe_float)(x, ids, w, w13, w2).astype(jnp.float32))
+  del w13, w2
+  if not had_bf16:
+    experts._bf16 = None
+  errors = {"ours": np.asarray(ours(x, ids, w, *packed).astype(jnp.float32))}
+  for method in ktk.methods:
+    errors[f"kt-kernel {method}"] = ktk.one_layer(method, np.asarray(x), ids, w)
+  norm = np.linalg.norm(want)
+  parts = []
+  for name, got in errors.items():
+    bad = int(np.count_nonzero(~np.isfinite(got)))
+    parts.append(f"{name} {np.linalg.norm(np.nan_to_num(got) - want) / norm:.1e}"
+                 + (f" ({bad} non-finite)" if bad else ""))
+  return (f"check at T={tokens}, layer 0, against the float reference on the same bf16 weights "
+          "(fused_moe_float): rel. Frobenius error " + ", ".join(parts))
+
+
 # ------------------------------------------------------------------ measurement
 def int8_ops(shape: Shape, tokens: int) -> float:
   h, i = shape.hidden_size, shape.intermediate_size
@@ -423,6 +633,7 @@ class Row:
   xla_name: str | None = None
   load: float = 0.0
   isa_s: dict[str, float] = dataclasses.field(default_factory=dict)  # --isas: path -> median s
+  ktk_s: dict[str, float] = dataclasses.field(default_factory=dict)  # kt-kernel method -> median s
 
 
 def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
@@ -456,6 +667,9 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
     else:
       notes.append(f"ORT: {why} of QMoE + Add layers (own weights), {args.threads_used} "
                    "intra-op threads, spinning off")
+  ktk = None
+  if "ktk" in baselines:
+    ktk = ktk_peer(shape, stacks, args, notes)
   budgets = {name: Budget(args.baseline_budget) for name in ("ref", "ragged", "dense")}
   reference = reference_fn(g) if "ref" in baselines else None
   ragged, dense = (ragged_fn(), dense_fn()) if "xla" in baselines else (None, None)
@@ -485,6 +699,12 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
           y = session.run(None, {"input": y, **feeds[j % len(ring)]})[0]
         return y
       calls.append(ort_call)
+    ktk_methods = list(ktk.methods) if ktk is not None else []
+    if ktk_methods:
+      ktk_feeds = ktk.feeds(ring)  # built once, outside the timed calls
+      x_np = np.asarray(x)
+      for method in ktk_methods:
+        calls.append(ktk.caller(method, x_np, ktk_feeds, layers))
     load = os.getloadavg()[0]
     times = interleaved_times(calls, warmup=2, target_seconds=args.target_seconds,
                               min_repeats=5, max_repeats=400)
@@ -498,12 +718,17 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
       row.isa_s[isa] = float(np.median(times[c]))
     if sessions is not None:
       row.ort_s = float(np.median(times[len(args.isas[1:]) + 1]))
+    for c, method in enumerate(ktk_methods, start=len(calls) - len(ktk_methods)):
+      row.ktk_s[method] = float(np.median(times[c]))
     if args.time_split and tokens in args.time_split:
       notes.append(f"T={tokens}: " + time_split(ours_call, calls=max(50, 200 // layers),
                                                 layers=layers, threads=args.threads_used))
     progress(f"{shape.name}: T={tokens} ours {seconds * 1e3:.2f} ms ({len(times[0])} calls), "
              f"{gbps:.1f} GB/s ({100 * row.dram_fraction:.0f} % of DRAM), {row.gops:.0f} GOP/s"
-             + (f"; ORT {row.ort_s * 1e3:.2f} ms" if row.ort_s else ""))
+             + (f"; ORT {row.ort_s * 1e3:.2f} ms" if row.ort_s else "")
+             + "".join(f"; kt-kernel {m} {t * 1e3:.2f} ms" for m, t in row.ktk_s.items()))
+    if ktk_methods and tokens == min(args.tokens, key=lambda t: abs(t - 8)):
+      notes.append(ktk_accuracy(shape, stacks[0], ktk, ours, packed[0], x, ring[0], tokens))
     if reference is not None:
       if ref_weights is None:
         ref_weights = tuple(jnp.asarray(a) for a in stacks[0].unpacked())
@@ -529,13 +754,18 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
     rows.append(row)
   for e in stacks:
     e.drop()
+  ktk_cols = list(ktk.methods) if ktk is not None else []
   header = ["T", "load", "ours ms", "ours best ms", "weights GB/s", "% DRAM", "int8 GOP/s",
             *[f"{isa} ms" for isa in args.isas[1:]],
-            "ORT QMoE ms", "vs ORT", "jnp ref ms", "vs ref", "bf16 XLA ms", "vs XLA"]
+            "ORT QMoE ms", "vs ORT", *[f"kt-kernel {m} ms (vs ours)" for m in ktk_cols],
+            "jnp ref ms", "vs ref", "bf16 XLA ms", "vs XLA"]
   table = [[r.tokens, f"{r.load:.1f}", fmt_ms(r.ours_s), fmt_ms(r.ours_best_s),
             f"{r.weight_gbps:.1f}", f"{100 * r.dram_fraction:.0f}", f"{r.gops:.0f}",
             *[f"{fmt_ms(r.isa_s[isa])} ({r.ours_s / r.isa_s[isa]:.2f}x)" for isa in args.isas[1:]],
-            fmt_ms(r.ort_s), ratio(r.ort_s, r.ours_s), fmt_ms(r.ref_s), ratio(r.ref_s, r.ours_s),
+            fmt_ms(r.ort_s), ratio(r.ort_s, r.ours_s),
+            *[None if m not in r.ktk_s else f"{fmt_ms(r.ktk_s[m])} ({ratio(r.ktk_s[m], r.ours_s)})"
+              for m in ktk_cols],
+            fmt_ms(r.ref_s), ratio(r.ref_s, r.ours_s),
             None if r.xla_s is None else f"{fmt_ms(r.xla_s)} ({r.xla_name})",
             ratio(r.xla_s, r.ours_s)] for r in rows]
   title = (f"### {shape.name} (E={shape.num_experts}, top-{shape.top_k}, H={h}, I={i}, "
@@ -598,7 +828,8 @@ def machine_lines(threads: int, dram: dict[str, float], llc: tuple[int, int] | N
   return [
       f"- machine: {model}, {_timing.usable_cores()} usable cores, {isa}, {llc_text}; "
       f"kernel ISA {module.selected_isa()} (available {list(module.available_isas())})",
-      f"- threads: {threads} (XLA's intra-op pool, PJRT_NPROC; ORT intra-op threads the same)",
+      f"- threads: {threads} (XLA's intra-op pool, PJRT_NPROC; ORT's intra-op threads and "
+      "kt-kernel's worker pool the same)",
       f"- DRAM read bandwidth ({dram['nbytes'] / 2**30:.1f} GiB array, {dram['threads']} threads): "
       f"{dram['best']:.1f} GB/s (" + ", ".join(f"{k} {dram[k]:.1f}" for k in ("native", "numpy", "xla")
                                    if k in dram) + ")",
@@ -628,6 +859,9 @@ def plot(results: dict[str, list[Row]], path: str, title: str) -> None:
       pts = [(r.tokens, getattr(r, attr) * 1e3) for r in rows if getattr(r, attr)]
       if pts:
         ax.plot(*zip(*pts), "s--", label=label)
+    for method in dict.fromkeys(m for r in rows for m in r.ktk_s):
+      pts = [(r.tokens, r.ktk_s[method] * 1e3) for r in rows if method in r.ktk_s]
+      ax.plot(*zip(*pts), "^--", label=f"kt-kernel {method}")
     ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="ms per layer", title=name)
     ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
@@ -673,7 +907,8 @@ def thread_scaling(args, argv: list[str]) -> str:
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
       raise SystemExit(f"thread scaling at {n} threads failed:\n{out.stderr[-2000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # The last JSON line: kt-kernel's C++ prints to stdout as well, up to its exit.
+    result = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
     dram.append(result["dram_gbps"])
     for shape, shape_rows in result["rows"].items():
       for r in shape_rows:
@@ -705,8 +940,21 @@ def main(argv=None) -> int:
                       help="XLA intra-op threads (PJRT_NPROC) and ORT's (default: usable cores)")
   parser.add_argument("--thread-scaling", default="",
                       help="comma-separated thread counts, one process each (e.g. 1,2,4,8,16)")
-  parser.add_argument("--baselines", default="ort",
-                      help="comma-separated subset of ort,ref,xla (empty for none)")
+  parser.add_argument("--baselines", default="ort,ktk",
+                      help="comma-separated subset of ort,ktk,ref,xla (empty for none; ort and "
+                           "ktk are skipped with the reason printed when not installed)")
+  parser.add_argument("--ktk-methods", default=",".join(KTK_METHODS),
+                      help=f"kt-kernel methods timed (subset of {','.join(KTK_METHODS)})")
+  parser.add_argument("--ktk-path", default=os.environ.get("JAX_MOEQ_KTK_PATH"),
+                      help="folder holding kt_kernel, kt_kernel.libs and gguf, put first on "
+                           "sys.path (default: $JAX_MOEQ_KTK_PATH, else wherever Python finds it)")
+  parser.add_argument("--ktk-variant",
+                      choices=("amx", "avx512_bf16", "avx512_vbmi", "avx512_vnni", "avx512_base",
+                               "avx2"),
+                      help="kt-kernel build to load (default: its own pick from the CPU flags)")
+  parser.add_argument("--ktk-threads", type=int,
+                      help="kt-kernel worker pool threads (default: --threads; its caller spins in "
+                           "sync() beside them)")
   parser.add_argument("--baseline-budget", type=float, default=30.0,
                       help="seconds per ref/xla baseline per shape (T values over it left out)")
   parser.add_argument("--target-seconds", type=float, default=2.0,
@@ -739,8 +987,12 @@ def main(argv=None) -> int:
   args.tokens = [int(t) for t in args.tokens.split(",") if t]
   args.baselines = [b for b in args.baselines.split(",") if b]
   for b in args.baselines:
-    if b not in ("ref", "xla", "ort"):
-      parser.error(f"unknown baseline {b!r}; expected some of ort,ref,xla")
+    if b not in ("ref", "xla", "ort", "ktk"):
+      parser.error(f"unknown baseline {b!r}; expected some of ort,ktk,ref,xla")
+  args.ktk_methods = [m for m in args.ktk_methods.split(",") if m]
+  for m in args.ktk_methods:
+    if m not in KTK_METHODS:
+      parser.error(f"--ktk-methods: unknown method {m!r}; expected some of {list(KTK_METHODS)}")
   args.thread_scaling = [int(n) for n in args.thread_scaling.split(",") if n]
   args.time_split = [int(t) for t in args.time_split.split(",") if t]
   args.isas = [i for i in args.isas.split(",") if i]

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# benchmarks/cpu_moe_bench.py with KTransformers' kt-kernel beside ours (and ORT where installed) on
+# a many-core host in one call. kt-kernel comes from KTK (default .carry/ktk): a folder holding the
+# kt_kernel package (its AMX and AVX2 extension builds for this host's Python), kt_kernel.libs and
+# gguf, unpacked from the wheels without their dependencies, so the host's own torch serves it.
+# Builds the CPU library for this Python when it is missing. Report, JSON, plot and logs go to $OUT.
+#   THREADS=16 TOKENS=1,8,128,512 SHAPES=olmoe METHODS=AMXINT4,AMXINT8 BENCH_ARGS=... (passed on)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cpu_ktk_host}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+KTK=${KTK:-.carry/ktk}
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
+if ! ls jax_moeq/_cpu_ffi*.so >/dev/null 2>&1; then
+  if ! { cmake -S . -B build/cpu_host -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_MOEQ_CUDA=OFF \
+           -DPython_EXECUTABLE="$(command -v "$PY")" \
+           -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" &&
+         cmake --build build/cpu_host -j "$(nproc)"; } >"$OUT/build.log" 2>&1; then
+    tail -30 "$OUT/build.log"; echo "build: FAILED"; exit 1
+  fi
+  cp -f build/cpu_host/_cpu_ffi*.so jax_moeq/
+fi
+export PYTHONPATH=$PWD:$PWD/$KTK
+lscpu | grep -E "Model name|^CPU\(s\)|L3|NUMA node\(s\)" | tee "$OUT/lscpu.txt"
+"$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' \
+  | tee "$OUT/versions.txt"
+"$PY" benchmarks/cpu_moe_bench.py --shapes "${SHAPES:-olmoe}" --tokens "${TOKENS:-1,8,128,512}" \
+  --threads "${THREADS:-16}" --baselines ort,ktk --ktk-methods "${METHODS:-AMXINT4,AMXINT8}" \
+  --ktk-path "$KTK" --out "$OUT/cpu_ktk.md" --plot "$OUT/cpu_ktk.png" --json ${BENCH_ARGS:-} \
+  2>"$OUT/cpu_ktk.err" >"$OUT/cpu_ktk.txt"
+status=$?
+# kt-kernel's C++ prints to stdout too: the report is the .md, the JSON its one line.
+[ -f "$OUT/cpu_ktk.md" ] && cat "$OUT/cpu_ktk.md"
+grep '^{"dram_gbps"' "$OUT/cpu_ktk.txt" | tail -1 >"$OUT/cpu_ktk.json"
+[ "$status" = 0 ] || { echo "bench: exit $status"; tail -30 "$OUT/cpu_ktk.err"; }
+exit "$status"
