@@ -4,7 +4,8 @@
 # kt_kernel package (its AMX and AVX2 extension builds for this host's Python), kt_kernel.libs and
 # gguf, unpacked from the wheels without their dependencies, so the host's own torch serves it.
 # Builds the CPU library for this Python when it is missing. Report, JSON, plot and logs go to $OUT.
-#   THREADS=16 TOKENS=1,8,128,512 SHAPES=olmoe METHODS=AMXINT4,AMXINT8 BENCH_ARGS=... (passed on)
+#   THREADS=16 TOKENS=1,8,128,512 SHAPES=olmoe METHODS=AMXINT4,AMXINT8 BENCH_ARGS=... (passed on);
+#   PROBE=0 skips benchmarks/ktk_stream_probe.py (its wrapper's forward with a CUDA stream, first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cpu_ktk_host}
@@ -25,6 +26,11 @@ export PYTHONPATH=$PWD:$PWD/$KTK
 lscpu | grep -E "Model name|^CPU\(s\)|L3|NUMA node\(s\)" | tee "$OUT/lscpu.txt"
 "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' \
   | tee "$OUT/versions.txt"
+# How its KTMoEWrapper.forward behaves with a CUDA stream (one child process per way of calling it).
+if [ "${PROBE:-1}" = 1 ]; then
+  timeout 900 "$PY" benchmarks/ktk_stream_probe.py --threads "${THREADS:-16}" \
+    --ways queue,wrapper_sync,wrapper_stream,wrapper_gpu 2>&1 | tee "$OUT/ktk_stream_probe.txt"
+fi
 "$PY" benchmarks/cpu_moe_bench.py --shapes "${SHAPES:-olmoe}" --tokens "${TOKENS:-1,8,128,512}" \
   --threads "${THREADS:-16}" --baselines ort,ktk --ktk-methods "${METHODS:-AMXINT4,AMXINT8}" \
   --ktk-path "$KTK" --out "$OUT/cpu_ktk.md" --plot "$OUT/cpu_ktk.png" --json ${BENCH_ARGS:-} \

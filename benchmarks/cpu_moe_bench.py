@@ -324,6 +324,9 @@ def ort_session(shape: Shape, seed: int, threads: int, layers: range,
 
 KTK_METHODS = ("AMXINT4", "AMXINT8")  # kt-kernel's int4 / int8 experts, quantized online from bf16
 KTK_M_STEP = 32  # its token buffers are sized in steps of this many rows
+# Its workers spin for 50 ms after a job before they sleep (measured here: 1-2 cores busy for
+# 40-50 ms after a call, then none); the harness waits this long, untimed, after each of its calls.
+KTK_SPIN_SECONDS = 0.06
 
 
 def ktk_import(path: str | None, variant: str | None):
@@ -342,6 +345,31 @@ def ktk_import(path: str | None, variant: str | None):
                   f"{str(err).splitlines()[0][:200] if str(err) else ''}); `pip install --no-deps "
                   "kt-kernel` (it pins its own torch) or pass --ktk-path")
   return kt_kernel, None
+
+
+def _cpulist(text: str) -> set[int]:
+  """CPUs of a sysfs cpulist ("0-3,8,10-11")."""
+  cpus: set[int] = set()
+  for part in text.strip().split(","):
+    if part:
+      lo, _, hi = part.partition("-")
+      cpus.update(range(int(lo), int(hi or lo) + 1))
+  return cpus
+
+
+def ktk_numa_node() -> int:
+  """The NUMA node holding most of this process's CPUs (kt-kernel binds its workers to the cores
+  of the node it is given); 0 where sysfs does not say."""
+  try:
+    allowed = os.sched_getaffinity(0)
+    nodes = {}
+    for entry in os.listdir("/sys/devices/system/node"):
+      if entry.startswith("node") and entry[4:].isdigit():
+        with open(f"/sys/devices/system/node/{entry}/cpulist") as f:
+          nodes[int(entry[4:])] = len(_cpulist(f.read()) & allowed)
+    return max(nodes, key=lambda n: (nodes[n], -n)) if nodes else 0
+  except (OSError, ValueError):
+    return 0
 
 
 def _torch_bf16(a: np.ndarray):
@@ -365,7 +393,8 @@ class KtkLayers:
     self.version = str(getattr(kt_kernel, "__version__", "?"))
     config = ext.WorkerPoolConfig()
     config.subpool_count = 1
-    config.subpool_numa_map = [0]
+    self.numa_node = ktk_numa_node()
+    config.subpool_numa_map = [self.numa_node]
     config.subpool_thread_count = [threads]
     self.cpu_infer = ext.CPUInfer(config)
     # Token buffers hold max_len rows; longer calls would overrun them.
@@ -482,8 +511,10 @@ def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> Ktk
   notes.append(f"kt-kernel {ktk.version} ({ktk.variant} build): {', '.join(ktk.methods)}, "
                f"quantized by its online quantizer from the bf16 weights in "
                f"{time.perf_counter() - start:.0f} s; {len(stacks)} layers chained as ours, one "
-               f"worker pool of {threads} threads, each layer submitted and waited for "
-               "(CPUInfer.submit / sync, the caller spinning)")
+               f"worker pool of {threads} threads on NUMA node {ktk.numa_node}, each layer submitted and waited for "
+               "(CPUInfer.submit / sync, the caller spinning); after each of its calls the "
+               f"harness rests {KTK_SPIN_SECONDS * 1e3:.0f} ms, untimed, while its workers spin "
+               "down (they spin 50 ms after a job), so they take no core from the next contender")
   return ktk
 
 
@@ -596,12 +627,18 @@ def default_layers(layer_bytes: int, llc_bytes: int | None) -> int:
 
 
 def interleaved_times(calls: list, *, warmup: int, target_seconds: float, min_repeats: int,
-                      max_repeats: int) -> list[list[float]]:
+                      max_repeats: int, rest_after: list[float] | None = None
+                      ) -> list[list[float]]:
   """Seconds of each of `calls` (callables of the call index j), called in turn j = 0, 1, ...
-  so that every contender sees the same machine state; warm-up rounds are not timed."""
+  so that every contender sees the same machine state; warm-up rounds are not timed. After call
+  c the loop sleeps rest_after[c] seconds, untimed (a pool whose threads spin on after a job
+  would otherwise take the cores from the next contender)."""
+  rest_after = rest_after or [0.0] * len(calls)
   for j in range(warmup):
-    for call in calls:
+    for c, call in enumerate(calls):
       _timing.block(call(j))
+      if rest_after[c]:
+        time.sleep(rest_after[c])
   times: list[list[float]] = [[] for _ in calls]
   spent, j = 0.0, warmup
   while j - warmup < max_repeats:
@@ -611,6 +648,8 @@ def interleaved_times(calls: list, *, warmup: int, target_seconds: float, min_re
       elapsed = time.perf_counter() - start
       times[c].append(elapsed)
       spent += elapsed
+      if rest_after[c]:
+        time.sleep(rest_after[c])
     j += 1
     if j - warmup >= min_repeats and spent >= target_seconds:
       break
@@ -706,8 +745,9 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
       for method in ktk_methods:
         calls.append(ktk.caller(method, x_np, ktk_feeds, layers))
     load = os.getloadavg()[0]
+    rest_after = [0.0] * (len(calls) - len(ktk_methods)) + [KTK_SPIN_SECONDS] * len(ktk_methods)
     times = interleaved_times(calls, warmup=2, target_seconds=args.target_seconds,
-                              min_repeats=5, max_repeats=400)
+                              min_repeats=5, max_repeats=400, rest_after=rest_after)
     times = [[t / layers for t in ts] for ts in times]  # per layer
     seconds = float(np.median(times[0]))
     hit = np.mean([len(np.unique(np.asarray(r[0]))) for r in ring])
