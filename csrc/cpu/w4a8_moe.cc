@@ -6,6 +6,8 @@
 #include <cstring>
 #include <mutex>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "cpu/w4a8_gemm.h"
@@ -146,25 +148,69 @@ std::vector<GemmItem> MakeGemmItems(const std::vector<int32_t>& counts, int64_t 
   return items;
 }
 
-void RunGemm(Isa isa, const std::vector<GemmItem>& items, const uint8_t* weights,
-             int64_t expert_bytes, const PackedGemmShape& shape,
-             const QuantizedActivations& act, const int32_t* rows,
-             const std::vector<int32_t>& counts, const std::vector<int32_t>& offsets, float* out,
-             StageClock& clock, W4A8MoeStage stage) {
-  clock.For(stage, static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end) {
+// One GEMM of the layer (GEMM1 or GEMM2) over every expert's rows.
+struct GemmPass {
+  const uint8_t* weights;
+  int64_t expert_bytes;
+  PackedGemmShape shape;
+  QuantizedActivations act;
+  const int32_t* rows;
+  float* out;
+};
+
+void RunGemmItem(Isa isa, const GemmPass& pass, const GemmItem& item,
+                 const std::vector<int32_t>& counts, const std::vector<int32_t>& offsets) {
+  const int64_t off = offsets[item.expert];
+  W4A8GemmArgs args;
+  args.weights = pass.weights + item.expert * pass.expert_bytes;
+  args.shape = pass.shape;
+  args.act = pass.act;
+  args.rows = pass.rows + off;
+  args.m = counts[item.expert];
+  args.out = pass.out + off * pass.shape.n;
+  args.tile_begin = item.tile_begin;
+  args.tile_end = item.tile_end;
+  W4A8Gemm(isa, args);
+}
+
+// GEMM1, the activation and GEMM2 as one parallel region, so that no thread waits at the end of
+// GEMM1 for the slowest one and the activation overlaps the weight stream: items run in the
+// order GEMM1 (every expert), then GEMM2; the thread that finishes an expert's last GEMM1 item
+// runs that expert's activation rows, and a GEMM2 item waits for its expert's activation. The
+// ParallelFor hands out pieces in index order (its contract), so an item waits only for items
+// already taken by running threads: no deadlock, whatever the thread count.
+void RunExperts(Isa isa, const std::vector<GemmItem>& items13,
+                const std::vector<GemmItem>& items2, const GemmPass& pass13,
+                const GemmPass& pass2, const std::vector<int32_t>& counts,
+                const std::vector<int32_t>& offsets,
+                const std::function<void(int64_t, int64_t)>& activate, StageClock& clock) {
+  const int64_t experts = static_cast<int64_t>(counts.size());
+  std::unique_ptr<std::atomic<int32_t>[]> gemm1_left(new std::atomic<int32_t>[experts]);
+  std::unique_ptr<std::atomic<int32_t>[]> activated(new std::atomic<int32_t>[experts]);
+  for (int64_t e = 0; e < experts; ++e) {
+    gemm1_left[e].store(0, std::memory_order_relaxed);
+    activated[e].store(0, std::memory_order_relaxed);
+  }
+  for (const GemmItem& item : items13) gemm1_left[item.expert].fetch_add(1, std::memory_order_relaxed);
+  const int64_t n13 = static_cast<int64_t>(items13.size());
+  const int64_t n = n13 + static_cast<int64_t>(items2.size());
+  clock.For(kStageExperts, n, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
-      const GemmItem& item = items[it];
-      const int64_t off = offsets[item.expert];
-      W4A8GemmArgs args;
-      args.weights = weights + item.expert * expert_bytes;
-      args.shape = shape;
-      args.act = act;
-      args.rows = rows + off;
-      args.m = counts[item.expert];
-      args.out = out + off * shape.n;
-      args.tile_begin = item.tile_begin;
-      args.tile_end = item.tile_end;
-      W4A8Gemm(isa, args);
+      if (it < n13) {
+        const GemmItem& item = items13[it];
+        RunGemmItem(isa, pass13, item, counts, offsets);
+        if (gemm1_left[item.expert].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          const int64_t off = offsets[item.expert];
+          activate(off, off + counts[item.expert]);
+          activated[item.expert].store(1, std::memory_order_release);
+        }
+      } else {
+        const GemmItem& item = items2[it - n13];
+        while (activated[item.expert].load(std::memory_order_acquire) == 0) {
+          std::this_thread::yield();
+        }
+        RunGemmItem(isa, pass2, item, counts, offsets);
+      }
     }
   });
 }
@@ -234,39 +280,32 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
 
   clock.Mark(kStageQuantize);
 
-  // Stage 2: GEMM1 -> y13 [routed][2I] in float32, slots in expert order.
+  // Stages 2-4: GEMM1 -> y13 [routed][2I] in float32 (slots in expert order); round, gated
+  // activation, round, quantize for GEMM2; GEMM2 -> y2 [routed][H].
   float* y13 = Grow(sc.y13, routed * 2 * I, &bytes);
-  const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I);
-  RunGemm(isa, items13, p.w13_packed, shape13.total_bytes(), shape13,
-          QuantizedActivations{q1, s1, zp1, sum1}, rows1, sc.counts, sc.offsets, y13,
-          clock, kStageGemm1);
-  clock.Mark(kStageGemm1);
-
-  // Stage 3: round, gated activation, round, quantize for GEMM2.
   int8_t* q2 = Grow(sc.q2, routed * I, &bytes);
   float* s2 = Grow(sc.s2, routed, &bytes);
   int32_t* zp2 = Grow(sc.zp2, routed, &bytes);
   int32_t* sum2 = Grow(sc.sum2, routed * g2, &bytes);
   int32_t* rows2 = Grow(sc.rows2, routed, &bytes);
   for (int64_t pos = 0; pos < routed; ++pos) rows2[pos] = static_cast<int32_t>(pos);
-  clock.ForRows(kStageActivate, routed, 2 * I, [&](int64_t begin, int64_t end) {
+  float* y2 = Grow(sc.y2, routed * H, &bytes);
+  auto activate = [&](int64_t begin, int64_t end) {
     std::vector<float> act(I);
     for (int64_t r = begin; r < end; ++r) {
       float* y = y13 + r * 2 * I;
       ops.activate(p.dtype, p.activation, y, y + I, I, act.data());
       ops.quantize(act.data(), I, shape2.group, q2 + r * I, s2 + r, zp2 + r, sum2 + r * g2);
     }
-  });
-
-  clock.Mark(kStageActivate);
-
-  // Stage 4: GEMM2 -> y2 [routed][H].
-  float* y2 = Grow(sc.y2, routed * H, &bytes);
+  };
+  const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I);
   const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H);
-  RunGemm(isa, items2, p.w2_packed, shape2.total_bytes(), shape2,
-          QuantizedActivations{q2, s2, zp2, sum2}, rows2, sc.counts, sc.offsets, y2,
-          clock, kStageGemm2);
-  clock.Mark(kStageGemm2);
+  const GemmPass pass13{p.w13_packed, shape13.total_bytes(), shape13,
+                        QuantizedActivations{q1, s1, zp1, sum1}, rows1, y13};
+  const GemmPass pass2{p.w2_packed, shape2.total_bytes(), shape2,
+                       QuantizedActivations{q2, s2, zp2, sum2}, rows2, y2};
+  RunExperts(isa, items13, items2, pass13, pass2, sc.counts, sc.offsets, activate, clock);
+  clock.Mark(kStageExperts);
 
   // Stage 5: weighted sum over slots, in slot order, in the output dtype.
   clock.ForRows(kStageCombine, T, K * H, [&](int64_t begin, int64_t end) {
@@ -378,7 +417,7 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
 int64_t W4A8MoeScratchHighWater() { return scratch_high_water.load(); }
 
 const char* W4A8MoeStageName(int stage) {
-  static const char* names[kNumStages] = {"route", "quantize", "gemm1", "activate", "gemm2",
+  static const char* names[kNumStages] = {"route", "quantize", "experts",
                                           "combine"};
   return stage >= 0 && stage < kNumStages ? names[stage] : "unknown";
 }

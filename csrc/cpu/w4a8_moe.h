@@ -31,7 +31,8 @@ struct W4A8MoeProblem {
 };
 
 // Runs body(begin, end) over [0, n) split into pieces, possibly in parallel,
-// and returns when every piece is done.
+// and returns when every piece is done. Pieces start in index order (a piece
+// may wait for work of earlier pieces: RunW4A8Moe's GEMM2 items do).
 using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)>;
 
 // Largest hidden / intermediate size: a GEMM's int32 dot products over a
@@ -74,8 +75,8 @@ int64_t W4A8MoeScratchHighWater();
 // first piece starting on any thread (dispatch), the pieces' summed run time (busy), and the
 // time from the last piece ending to the launch returning (join). Off by default; a few clock
 // reads per stage when on.
-enum W4A8MoeStage { kStageRoute, kStageQuantize, kStageGemm1, kStageActivate, kStageGemm2,
-                    kStageCombine, kNumStages };
+// "experts" is GEMM1, the gated activation and GEMM2, run as one parallel region.
+enum W4A8MoeStage { kStageRoute, kStageQuantize, kStageExperts, kStageCombine, kNumStages };
 struct W4A8MoeStageTimes {
   int64_t chunks = 0;
   int64_t wall_ns[kNumStages] = {};
