@@ -412,7 +412,7 @@ class KtkLayers:
       else:
         self.methods[method] = []
     i = shape.intermediate_size
-    for layer, experts in enumerate(stacks):
+    for layer, experts in enumerate(stacks if self.methods else []):
       had_bf16 = experts._bf16 is not None
       w13, w2 = (np.asarray(a) for a in experts.bf16())
       gate, up, down = _torch_bf16(w13[:, :i]), _torch_bf16(w13[:, i:]), _torch_bf16(w2)
