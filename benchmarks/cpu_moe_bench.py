@@ -511,8 +511,9 @@ def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> Ktk
   notes.append(f"kt-kernel {ktk.version} ({ktk.variant} build): {', '.join(ktk.methods)}, "
                f"quantized by its online quantizer from the bf16 weights in "
                f"{time.perf_counter() - start:.0f} s; {len(stacks)} layers chained as ours, one "
-               f"worker pool of {threads} threads on NUMA node {ktk.numa_node}, each layer submitted and waited for "
-               "(CPUInfer.submit / sync, the caller spinning); after each of its calls the "
+               f"worker pool of {threads} threads on NUMA node {ktk.numa_node}, each layer "
+               "submitted and waited for (CPUInfer.submit / sync, the caller spinning); after "
+               "each of its calls the "
                f"harness rests {KTK_SPIN_SECONDS * 1e3:.0f} ms, untimed, while its workers spin "
                "down (they spin 50 ms after a job), so they take no core from the next contender")
   return ktk

@@ -60,7 +60,8 @@ def child(args) -> dict:
   for r in range(t):
     for j in range(k):
       ex = int(ids[r, j])
-      a = torch.nn.functional.silu(gate[ex].float() @ x[r].float()) * (up[ex].float() @ x[r].float())
+      xr = x[r].float()
+      a = torch.nn.functional.silu(gate[ex].float() @ xr) * (up[ex].float() @ xr)
       want[r] += w[r, j] * (down[ex].float() @ a.bfloat16().float())
   layer = KTMoEWrapper(layer_idx=0, num_experts=e, num_experts_per_tok=k, hidden_size=h,
                        moe_intermediate_size=i, gpu_experts_mask=None,
