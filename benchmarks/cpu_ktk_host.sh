@@ -28,7 +28,7 @@ lscpu | grep -E "Model name|^CPU\(s\)|L3|NUMA node\(s\)" | tee "$OUT/lscpu.txt"
   | tee "$OUT/versions.txt"
 # How its KTMoEWrapper.forward behaves with a CUDA stream (one child process per way of calling it).
 if [ "${PROBE:-1}" = 1 ]; then
-  timeout 900 "$PY" benchmarks/ktk_stream_probe.py --threads "${THREADS:-16}" \
+  timeout 400 "$PY" benchmarks/ktk_stream_probe.py --threads "${THREADS:-16}" \
     --ways queue,wrapper_sync,wrapper_stream,wrapper_gpu 2>&1 | tee "$OUT/ktk_stream_probe.txt"
 fi
 "$PY" benchmarks/cpu_moe_bench.py --shapes "${SHAPES:-olmoe}" --tokens "${TOKENS:-1,8,128,512}" \

@@ -107,6 +107,7 @@ def main() -> int:
   p.add_argument("--intermediate", type=int, default=1024)
   p.add_argument("--weight-path", default="/tmp/ktk_stream_probe")
   p.add_argument("--no-pin", action="store_true", help="drop pin_memory (torch without CUDA)")
+  p.add_argument("--timeout", type=float, default=90.0, help="seconds per child process")
   p.add_argument("--child", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.child:
@@ -117,7 +118,11 @@ def main() -> int:
     if way not in WAYS:
       p.error(f"unknown way {way!r}; expected some of {WAYS}")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", way, *_without_ways(sys.argv[1:])]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    try:
+      run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+      print(f"{way}: no exit within {args.timeout:.0f} s (killed)", flush=True)
+      continue
     result = [l[7:] for l in run.stdout.splitlines() if l.startswith("RESULT ")]
     tail = " | ".join(l.strip() for l in run.stderr.strip().splitlines()[-6:])
     print(f"{way}: exit {run.returncode}; {result[0] if result else 'no result'}"
