@@ -75,8 +75,10 @@ int64_t W4A8MoeScratchHighWater();
 // first piece starting on any thread (dispatch), the pieces' summed run time (busy), and the
 // time from the last piece ending to the launch returning (join). Off by default; a few clock
 // reads per stage when on.
-// "experts" is GEMM1, the gated activation and GEMM2, run as one parallel region.
-enum W4A8MoeStage { kStageRoute, kStageQuantize, kStageExperts, kStageCombine, kNumStages };
+// "experts": GEMM1, the gated activation and GEMM2 as one parallel region (decode-sized
+// calls); larger calls time them as gemm1, activate and gemm2.
+enum W4A8MoeStage { kStageRoute, kStageQuantize, kStageGemm1, kStageActivate, kStageGemm2,
+                    kStageExperts, kStageCombine, kNumStages };
 struct W4A8MoeStageTimes {
   int64_t chunks = 0;
   int64_t wall_ns[kNumStages] = {};
