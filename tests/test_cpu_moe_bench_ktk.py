@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import jax_moeq
 from jax_moeq import _ffi
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +22,10 @@ pytestmark = pytest.mark.skipif(not _ffi.cpu_library_available(), reason="CPU li
 
 
 def _run_bench(*extra: str) -> tuple[str, dict]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  # The jax_moeq under test (the installed package, or a dev build's tree), not the source tree:
+  # a clean clone's tree has no native library.
+  package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_moeq.__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=package_parent)
   env.pop("JAX_MOEQ_KTK_PATH", None)
   cmd = [sys.executable, str(BENCH), "--shapes", "tiny", "--tokens", "8", "--layers", "2",
          "--target-seconds", "0.05", "--threads", "1", "--json", *extra]
