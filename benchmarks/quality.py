@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -44,6 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# The perplexity arithmetic is the library's (the README main job uses it too).
+from jax_moeq.models.perplexity import (  # noqa: E402
+    perplexity, token_windows as windows, window_nll,
+)
 
 CHECKPOINT = Path(__file__).resolve().parent.parent / "examples" / "tiny_qwen3_moe"
 
@@ -69,51 +73,10 @@ def held_out_ids(checkpoint: Path = CHECKPOINT) -> np.ndarray:
   return np.asarray(tok.encode(text).ids, np.int32)
 
 
-def windows(ids: np.ndarray, window: int, count: int | None = None) -> np.ndarray:
-  """[N, window] consecutive non-overlapping windows (the last partial one dropped); the first
-  `count` of them when given."""
-  if window < 2:
-    raise ValueError(f"window={window}: at least 2 tokens are needed to score one")
-  n = len(ids) // window
-  if count is not None:
-    if count < 1:
-      raise ValueError(f"count={count} must be positive")
-    n = min(n, count)
-  if n == 0:
-    raise ValueError(f"{len(ids)} tokens make no window of {window}")
-  return ids[:n * window].reshape(n, window)
-
-
 def load(checkpoint: Path, **kw):
   import jax.numpy as jnp
   from jax_moeq import models
   return models.from_pretrained(checkpoint, dtype=jnp.float32, show_progress=False, **kw)
-
-
-def window_nll(model, batches: np.ndarray, batch: int = 8) -> np.ndarray:
-  """Summed next-token negative log-likelihood of each window (float64 [N]); each window scores
-  its tokens 1..S-1."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  @nnx.jit
-  def nll(m, ids):
-    logp = jax.nn.log_softmax(m(ids)[:, :-1].astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-    return -picked.sum(axis=-1)
-
-  out = []
-  for i in range(0, len(batches), batch):
-    chunk = batches[i:i + batch]
-    pad = batch - len(chunk)  # one compiled shape: pad the last batch, drop its padding rows
-    ids = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)]) if pad else chunk
-    out.append(np.asarray(nll(model, jnp.asarray(ids)), np.float64)[:len(chunk)])
-  return np.concatenate(out)
-
-
-def perplexity(nll_per_window: np.ndarray, window: int) -> float:
-  return float(math.exp(nll_per_window.sum() / (len(nll_per_window) * (window - 1))))
 
 
 def llama_cpp_window_nll(checkpoint: Path, qtype: str, batches: np.ndarray,
@@ -186,7 +149,7 @@ def run(checkpoint: Path, window: int, count: int | None, schemes: list[str],
                                        "seconds": time.perf_counter() - start}
       print(f"  llama.cpp {qtype:5s} ppl {results[f'llama.cpp {qtype}']['ppl']:8.3f}", flush=True)
   base = results["float"]["ppl"] if "float" in results else None
-  print(f"\n| scheme | perplexity | ratio to float | difference |\n| --- | --- | --- | --- |")
+  print("\n| scheme | perplexity | ratio to float | difference |\n| --- | --- | --- | --- |")
   for name, r in results.items():
     ref = results.get("llama.cpp F32", {}).get("ppl") if name == "llama.cpp Q4_0" else base
     if ref is not None:

@@ -292,30 +292,18 @@ def load_tokenizer(path: Path):
 
 def held_out_windows(path: Path, tokenizer, count: int) -> np.ndarray | None:
   """The first `count` windows of PPL_WINDOW tokens of the checkpoint's `heldout.txt`, or None."""
+  from jax_moeq.models.perplexity import token_windows
   if tokenizer is None or count < 1 or not (path / "heldout.txt").is_file():
     return None
   ids = np.asarray(tokenizer.encode((path / "heldout.txt").read_text(encoding="utf-8")).ids,
                    np.int32)
-  n = min(count, len(ids) // PPL_WINDOW)
-  return ids[:n * PPL_WINDOW].reshape(n, PPL_WINDOW) if n else None
+  return token_windows(ids, PPL_WINDOW, count) if len(ids) >= PPL_WINDOW else None
 
 
-def perplexity(model, windows: np.ndarray, batch: int = 8) -> float:
-  """exp of the mean next-token negative log-likelihood over every window's tokens 1..S-1."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  @nnx.jit
-  def nll(m, ids):
-    logp = jax.nn.log_softmax(m(ids)[:, :-1].astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
-
-  total = 0.0
-  for i in range(0, len(windows), batch):
-    chunk = windows[i:i + batch]
-    total += float(nll(model, jnp.asarray(chunk)))
-  return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
+def perplexity(model, windows: np.ndarray) -> float:
+  """Held-out perplexity of `windows` (`jax_moeq.models.perplexity`, as benchmarks/quality.py)."""
+  from jax_moeq.models.perplexity import perplexity as from_nll, window_nll
+  return from_nll(window_nll(model, windows), windows.shape[1])
 
 
 def decode_rows(tokenizer, runs: Mapping[str, Any]) -> dict[str, list[str]]:
