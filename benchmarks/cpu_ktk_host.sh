@@ -14,13 +14,10 @@ PY=${PYTHON:-python3}
 KTK=${KTK:-.carry/ktk}
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 if ! ls jax_moeq/_cpu_ffi*.so >/dev/null 2>&1; then
-  if ! { cmake -S . -B build/cpu_host -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_MOEQ_CUDA=OFF \
-           -DPython_EXECUTABLE="$(command -v "$PY")" \
-           -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" &&
-         cmake --build build/cpu_host -j "$(nproc)"; } >"$OUT/build.log" 2>&1; then
+  if ! PYTHON=$PY JOBS=$(nproc) JAX_MOEQ_CUDA=OFF bash scripts/dev_build.sh >"$OUT/build.log" 2>&1
+  then
     tail -30 "$OUT/build.log"; echo "build: FAILED"; exit 1
   fi
-  cp -f build/cpu_host/_cpu_ffi*.so jax_moeq/
 fi
 export PYTHONPATH=$PWD:$PWD/$KTK
 lscpu | grep -E "Model name|^CPU\(s\)|L3|NUMA node\(s\)" | tee "$OUT/lscpu.txt"

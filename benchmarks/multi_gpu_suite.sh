@@ -89,7 +89,7 @@ if has exchange; then
     XLA_FLAGS="$flags" timeout 120 "$PY" benchmarks/ep_exchange_gpu_bench.py \
       --label="${flags:-default}" --json "$OUT/exchange_${tag%%=*}.json" \
       >"$OUT/exchange_${tag%%=*}.txt" 2>&1
-    echo "exchange ${flags:-default}: exit $?"; cat "$OUT/exchange_${tag%%=*}.txt" | tail -12
+    echo "exchange ${flags:-default}: exit $?"; tail -12 "$OUT/exchange_${tag%%=*}.txt"
   done
   summary+=("exchange: $(ls "$OUT"/exchange_*.json 2>/dev/null | wc -l) settings")
 fi
