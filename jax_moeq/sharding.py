@@ -748,12 +748,11 @@ def _local_layer(layer, n_ep: int, n_tp: int):
                              intermediate_size=layer.intermediate_size // n_tp, routing=routing)
 
 
-def _with_rank(experts, ep_rank: int, n_ep: int, **config_changes):
+def _with_rank(experts, ep_rank: int, n_ep: int):
   """The same experts class and quant config on a config for EP rank `ep_rank`."""
   from jax_moeq.oracle.base import MoEParallelConfig
   cfg = dataclasses.replace(experts.moe_config,
-                            parallel_config=MoEParallelConfig(ep_size=n_ep, ep_rank=ep_rank),
-                            **config_changes)
+                            parallel_config=MoEParallelConfig(ep_size=n_ep, ep_rank=ep_rank))
   return type(experts)(cfg, experts.quant_config)
 
 
