@@ -55,6 +55,18 @@ def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
   return 2 * nbytes / min(times)
 
 
+def set_dispatch(model, dispatch: str) -> None:
+  """Switches every sharded MoE block of `model` to `dispatch` (same weights)."""
+  from flax import nnx
+  from jax_moeq import sharding as sh
+  from jax_moeq.models.sharded import ShardedMoE
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, ShardedMoE):
+      sh._check_dispatch(dispatch, node.layout.expert_axis, node.layout.mesh)
+      node.dispatch = dispatch
+      node.backend = node.layout.describe(dispatch)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--gpus", type=int, default=0, help="GPUs in the mesh (0: all)")
@@ -64,7 +76,8 @@ def main(argv=None) -> int:
   p.add_argument("--decode-prompt", type=int, default=16)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--quantization", default="wna16", choices=("wna16", "mxint4", "w4a8_int8"))
-  p.add_argument("--dispatch", default="all_to_all")
+  p.add_argument("--dispatch", default="replicated,all_to_all",
+                 help="comma list: each runs on the same weights (one build)")
   p.add_argument("--json", default=None)
   p.add_argument("--platform", default="gpu", help="'cpu' with --tiny: a smoke run")
   p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -80,13 +93,13 @@ def main(argv=None) -> int:
   n = args.gpus or len(gpus)
   mesh = sh.make_mesh(n, 1, devices=gpus[:n])
   bw = copy_bandwidth(gpus[0])
-  _timing.progress(f"building {args.layers} layers on {n} GPUs ({args.quantization}, "
-                   f"{args.dispatch})")
+  dispatches = args.dispatch.split(",")
+  _timing.progress(f"building {args.layers} layers on {n} GPUs ({args.quantization})")
   start = time.time()
   cfg = qwen3_235b_config(args.layers, args.tiny)
   experts, vocab = cfg["num_experts"], cfg["vocab_size"]
   model = models.from_config(cfg, dtype="bfloat16",
-                             quantization=args.quantization, mesh=mesh, dispatch=args.dispatch)
+                             quantization=args.quantization, mesh=mesh, dispatch=dispatches[0])
   build_s = time.time() - start
   replicated = expert_bytes = 0
   for leaf in jax.tree.leaves(nnx.state(model)):
@@ -98,13 +111,15 @@ def main(argv=None) -> int:
       expert_bytes += leaf.nbytes
   per_layer_expert = expert_bytes / args.layers / experts  # one expert's bytes (all its arrays)
   print(f"# {n} GPUs ({gpus[0].device_kind}), {args.layers} layers, {args.quantization}, "
-        f"{args.dispatch}; built in {build_s:.0f} s; replicated {replicated / 1e9:.2f} GB per GPU, "
+        f"built in {build_s:.0f} s; replicated {replicated / 1e9:.2f} GB per GPU, "
         f"experts {expert_bytes / 1e9:.2f} GB in all; copy bandwidth {bw / 1e12:.2f} TB/s")
   rows = []
   rng = np.random.default_rng(0)
   batches = [int(v) for v in args.batch.split(",")]
-  for batch in batches:
-    row = {"gpus": n, "batch": batch, "layers": args.layers}
+  for dispatch, batch in [(d, b) for d in dispatches for b in batches]:
+    set_dispatch(model, dispatch)  # a static attribute: generate compiles anew
+    _timing.progress(f"{dispatch}, batch {batch}")
+    row = {"gpus": n, "batch": batch, "layers": args.layers, "dispatch": dispatch}
     try:
       prompts = rng.integers(0, vocab, (batch, args.decode_prompt)).tolist()
       for _ in range(2):  # the first call compiles
@@ -113,7 +128,7 @@ def main(argv=None) -> int:
       touched = min(experts, batch * cfg["num_experts_per_tok"]) * per_layer_expert * args.layers
       step_bytes = replicated + touched / n  # per GPU, in parallel
       row["decode_roofline_tok_s"] = batch / (step_bytes / bw)
-      if batch == min(batches):  # prefill once, at the smallest batch (1: one 2048-token prompt)
+      if batch == min(batches) and args.prompt:  # prefill at the smallest batch
         prompts = rng.integers(0, vocab, (batch, args.prompt)).tolist()
         for _ in range(2):
           out = models.generate(model, prompts, max_new_tokens=1, eos_token_id=[])
