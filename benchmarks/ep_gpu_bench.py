@@ -17,8 +17,9 @@ For each (shape, GPUs n, T tokens per GPU, dispatch) it prints:
   back) x n x C rows x H x 2 bytes (+ 8 bytes of id and weight per row out), C the per-
   destination capacity, rounds from the first layer's routing (the rows for the GPU itself are
   counted: an upper bound of what crosses NVLink). ragged_all_to_all: the filled rows only, out
-  and back. replicated: the float32 psum of n T x H, 2 (n-1)/n of it per GPU (ring all-reduce
-  bus bytes);
+  and back. replicated: below 64 tokens per GPU the bf16 all-gather of the n T x H tokens and
+  the float32 psum of their outputs ((n-1)/n and 2 (n-1)/n of them per GPU: ring bus bytes), from
+  64 up the all-gather and a float32 reduce-scatter ((n-1)/n each);
 - weak-scaling efficiency: t(1 GPU holding E/n experts, T tokens) / t(n GPUs, T tokens each):
   the same pairs per expert per GPU, without communication (measured here, same scheme).
 The header prints the GPUs, their clocks (nvidia-smi), jax / jaxlib, the NCCL version (the pip
@@ -195,8 +196,8 @@ class Stack:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     x = jax.random.normal(jax.random.key(per_gpu), (self.n * per_gpu, self.hidden), jnp.float32)
-    spec = P() if dispatch_mode == "replicated" else P("ep")
-    return jax.device_put(x.astype(jnp.bfloat16), NamedSharding(self.mesh, spec))
+    del dispatch_mode  # every dispatch takes the tokens split, as data-parallel attention leaves them
+    return jax.device_put(x.astype(jnp.bfloat16), NamedSharding(self.mesh, P("ep")))
 
   def first_layer_counts(self, x):
     """[n, n] pairs of source GPU s (its T tokens) bound for GPU d, for the first layer."""
@@ -220,7 +221,9 @@ def exchange_bytes(n: int, t: int, k: int, h: int, dispatch_mode: str, factor: f
   if n == 1:
     return 0.0
   if dispatch_mode == "replicated":
-    return 2 * (n - 1) / n * n * t * h * 4
+    gather = (n - 1) / n * n * t * h * 2
+    scatter = t * n >= sh._SCATTER_MIN_TOKENS_PER_SHARD * n  # pylint: disable=protected-access
+    return gather + (1 if scatter else 2) * (n - 1) / n * n * t * h * 4
   cap = sh.a2a_capacity(t, k, n, factor)
   rounds = int(max(1, (counts.max() + cap - 1) // cap))
   if dispatch_mode == "all_to_all":

@@ -16,10 +16,12 @@ sends pairs routed elsewhere to a *null expert*: an extra local expert whose int
 row corrections and biases are all zero, so its output is exactly 0 for any input and any router
 weight (also with `apply_router_weight_on_input`). Partial outputs are summed with `psum`.
 The null expert is stored once per shard at packing time (no per-call weight copies).
-Dispatch: a shard first tries a compacted call on just its local (token, slot) pairs (a static
+Dispatch (CPU meshes): a shard first tries a compacted call on just its local (token, slot) pairs (a static
 capacity of ~capacity_factor * T*K / n_ep rows, gathered from the replicated tokens, results
 scatter-added back); if routing is too skewed for that capacity it runs every pair instead
-(`lax.cond`), so the result never depends on the capacity, only the work does.
+(`lax.cond`), so the result never depends on the capacity, only the work does. The GPU kernels
+skip ids outside [0, E) without work, so on GPU meshes a shard runs all its rows, others' pairs
+masked.
 
 Tensor parallelism (TP, `tensor_axis`): the intermediate dimension I is split into n_tp slices.
 Shard j holds gate rows [jI/n, (j+1)I/n) *and* the same up rows of w13 (the gated activation pairs
@@ -31,7 +33,10 @@ activation dtype.
 
 Token dispatch (`dispatch=`):
 - "replicated" (the default): every shard sees all T tokens and the shards' partial outputs meet
-  in a `psum` of T x H float32, whatever the routing.
+  in a `psum` of T x H float32, whatever the routing. From 64 tokens per expert shard up, the
+  tokens come split over the expert axis (as data-parallel attention leaves them), are
+  all-gathered in bf16, and the f32 partial sums are reduce-scattered back to their shard: the
+  same sums, 3/4 of the bytes of the psum (and no all-gather in front of it).
 - "all_to_all": tokens stay sharded over the expert axis (T / n_ep per shard). Each shard routes
   its own tokens, packs its (token, slot) pairs by the shard that holds their expert into a
   [n_ep, C, H] buffer, exchanges it with `lax.all_to_all`, runs the pairs it received on its local
@@ -943,6 +948,22 @@ def _combine_slots(v: Array, scheme: str, dtype) -> Array:
   return reference.round_to_dtype(out, dtype).astype(dtype)
 
 
+# Replicated dispatch at or above this many tokens per expert shard splits the tokens over the
+# expert axis around the experts (all-gather in, reduce-scatter of the f32 sums out: 3/4 of a
+# psum's bytes, and the input arrives split as data-parallel attention leaves it). Below it one
+# psum: at decode sizes each collective's latency, not its bytes, is the cost.
+_SCATTER_MIN_TOKENS_PER_SHARD = 64
+
+
+def _on_gpus(mesh: Mesh) -> bool:
+  return all(d.platform in ("gpu", "cuda", "rocm") for d in mesh.devices.flat)
+
+
+def _scatter_replicated(layout: ExpertsLayout, tokens: int) -> bool:
+  return (layout.expert_axis is not None and layout.n_ep > 1
+          and tokens >= _SCATTER_MIN_TOKENS_PER_SHARD * layout.n_ep)
+
+
 def _routed_rows_fn(layout: ExpertsLayout, arrays: dict[str, Array]
                     ) -> Callable[[Array, Array, Array], Array]:
   """run(rows [R, H], local ids [R, 1], weights [R, 1]) -> [R, H]: one-slot rows on this shard's
@@ -1051,20 +1072,44 @@ def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
         out_specs=tokens)
     return fn(*padded, *extra, *(arrays[n] for n in names))[:t]
 
+  # GPU kernels skip ids outside [0, E) at no cost, so a shard runs every row with the other
+  # shards' pairs masked (`_ep_apply` without a capacity) rather than gathering one-slot rows.
+  factor = None if _on_gpus(mesh) else capacity_factor
+  scatter = _scatter_replicated(layout, x.shape[0])
+
   def body(x, *rest):
+    token_in, rest = rest[:n_token_args], rest[n_token_args:]
+    if scatter:  # tokens arrive split over the expert axis: every shard runs all of them
+      gather = functools.partial(jax.lax.all_gather, axis_name=layout.expert_axis, tiled=True)
+      x, token_in = gather(x), tuple(gather(a) for a in token_in)
     if layout.kernel_routing:
       local_arrays = dict(zip(names, rest[len(rest) - len(names):]))
-      bias = rest[1] if len(rest) - len(names) > 1 else None
+      bias = rest[0] if len(rest) > len(names) else None
       local = _local(local_arrays)
       y = _rank_switch(layout.expert_axis, n_ep, lambda r: layout.experts[r].apply(
-          x, rest[0], local, routing, bias)).astype(jnp.float32)
+          x, token_in[0], local, routing, bias)).astype(jnp.float32)
     else:
-      ids, weights = rest[0], rest[1]
-      local_arrays = dict(zip(names, rest[2:]))
+      ids, weights = token_in
+      local_arrays = dict(zip(names, rest))
       y = _ep_apply(_routed_rows_fn(layout, local_arrays), x, ids, weights, per,
-                    layout.expert_axis, n_ep, capacity_factor, null_id=-1)
-    return _combine(y, x.dtype, axes)
+                    layout.expert_axis, n_ep, factor, null_id=-1)
+    if not scatter:
+      return _combine(y, x.dtype, axes)
+    if layout.tensor_axis is not None:
+      y = jax.lax.psum(y, layout.tensor_axis)
+    # Each shard keeps the f32 sums of its own tokens: half the bytes of a psum of all of them.
+    return jax.lax.psum_scatter(y, layout.expert_axis, scatter_dimension=0,
+                                tiled=True).astype(x.dtype)
 
+  if scatter:
+    t, padded = _pad_tokens(n_ep, x, *token_args[:n_token_args])
+    extra = token_args[n_token_args:]
+    tokens = P(layout.expert_axis)
+    fn = _shard_map_unchecked(
+        body, mesh=mesh,
+        in_specs=(tokens,) * (1 + n_token_args) + (P(),) * len(extra) + (layout.spec,) * len(names),
+        out_specs=tokens)
+    return fn(*padded, *extra, *(arrays[n] for n in names))[:t]
   fn = _shard_map_unchecked(body, mesh=mesh,
                             in_specs=(P(),) * (1 + len(token_args)) + (layout.spec,) * len(names),
                             out_specs=P())

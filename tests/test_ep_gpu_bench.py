@@ -19,8 +19,13 @@ import ep_gpu_bench  # noqa: E402
 def test_exchange_bytes_formulas():
   counts = np.array([[10, 30], [20, 20]])  # source GPU s -> pairs bound for GPU d
   h = 64
-  # replicated: ring all-reduce of the float32 [n T, H] psum, 2 (n-1)/n of it per GPU.
-  assert ep_gpu_bench.exchange_bytes(2, 20, 2, h, "replicated", 2.0, counts) == 2 * 20 * h * 4
+  # replicated, 20 tokens a GPU: the bf16 all-gather of the [n T, H] tokens ((n-1)/n per GPU)
+  # and a ring all-reduce of their float32 outputs (2 (n-1)/n); from 64 a GPU a reduce-scatter
+  # ((n-1)/n).
+  assert ep_gpu_bench.exchange_bytes(2, 20, 2, h, "replicated", 2.0, counts) == (
+      20 * h * 2 + 2 * 20 * h * 4)
+  assert ep_gpu_bench.exchange_bytes(2, 64, 2, h, "replicated", 2.0, counts) == (
+      64 * h * 2 + 64 * h * 4)
   # all_to_all: C = ceil(2 * 20 * 2 / 2) = 40 rows per destination, one round.
   assert ep_gpu_bench.exchange_bytes(2, 20, 2, h, "all_to_all", 2.0, counts) == (
       2 * 2 * 40 * h * 2 + 2 * 40 * 8)

@@ -386,25 +386,35 @@ _GPU_GREEDY = textwrap.dedent("""
         one = models.from_pretrained(paths["per_expert"], **kw)
         backend = one.moe_backends()[quantization]
         assert backend != "reference", (quantization, backend)
-        want = np.asarray(models.generate(one, prompts, max_new_tokens=8,
-                                          eos_token_id=[]).tokens)
+        greedy = lambda m, p: np.asarray(models.generate(m, p, max_new_tokens=8,
+                                                         eos_token_id=[]).tokens)
+        want = greedy(one, prompts)
         want_logits = np.asarray(run(one, ids), np.float64)
+        # Data-parallel attention gives each of n GPUs len(prompts) / n sequences: XLA's dense
+        # GEMMs at that batch are the reference (they are not batch-invariant: M=1 and M=4 may
+        # sum in other orders), run on one GPU sequence group by sequence group.
+        per_group = {}
+        for n in sorted({len(gpus), 2}):
+          b = len(prompts) // n if len(prompts) % n == 0 else len(prompts)
+          per_group[n] = np.concatenate([greedy(one, prompts[i:i + b])
+                                         for i in range(0, len(prompts), b)])
+          print(f"{quantization} 1 GPU: batch {len(prompts)} vs groups of {b}: greedy tokens "
+                f"equal {bool(np.array_equal(per_group[n], want))}", flush=True)
       runs = [(len(gpus), d) for d in ("replicated", "all_to_all", "ragged_all_to_all")]
       if len(gpus) > 2:
         runs.append((2, "all_to_all"))
       for n, dispatch in runs:
-        if True:
-          model = models.from_pretrained(paths["per_expert"], mesh=sh.make_mesh(
-              n, 1, devices=gpus), dispatch=dispatch, **kw)
-          got = np.asarray(models.generate(model, prompts, max_new_tokens=8,
-                                           eos_token_id=[]).tokens)
-          logits = np.asarray(run(model, ids), np.float64)
-          err = float(np.linalg.norm(logits - want_logits) / np.linalg.norm(want_logits))
-          same = bool(np.array_equal(got, want))
-          print(f"{quantization} ({backend}) {n} GPUs {dispatch}: greedy tokens equal {same}, "
-                f"logits rel {err:.2e}", flush=True)
-          if not same or err > 2e-2:
-            failures.append((quantization, n, dispatch, same, err))
+        model = models.from_pretrained(paths["per_expert"], mesh=sh.make_mesh(
+            n, 1, devices=gpus), dispatch=dispatch, **kw)
+        got = greedy(model, prompts)
+        logits = np.asarray(run(model, ids), np.float64)
+        err = float(np.linalg.norm(logits - want_logits) / np.linalg.norm(want_logits))
+        same = bool(np.array_equal(got, per_group[n]))
+        print(f"{quantization} ({backend}) {n} GPUs {dispatch}: greedy tokens equal {same} "
+              f"(to one GPU's batch of {len(prompts)}: {bool(np.array_equal(got, want))}), "
+              f"logits rel {err:.2e}", flush=True)
+        if not same or err > 2e-2:
+          failures.append((quantization, n, dispatch, same, err))
     assert not failures, failures
     print("ok")
 """)
@@ -415,8 +425,9 @@ _GPU_GREEDY = textwrap.dedent("""
 def test_sharded_models_on_gpus_generate_one_gpus_tokens(tmp_path):
   """A tiny checkpoint (moe I=128: the W4A8 GPU kernel's alignment) quantized on load to each
   GPU scheme (their GPU kernels), one process driving 2 and all GPUs with each dispatch: the
-  greedy tokens of one GPU (bf16; logits within 2e-2 rel. Frobenius, the kernels' bf16 bound
-  with the reduction order of EP)."""
+  greedy tokens of one GPU running each GPU's group of sequences (data-parallel attention; the
+  dense GEMMs' sums depend on the batch), and the whole batch's as a report (bf16; prompt logits
+  within 2e-2 rel. Frobenius, the kernels' bf16 bound with the reduction order of EP)."""
   path = tmp_path / "per_expert"
   _tiny_qwen3(5, moe_intermediate_size=128).save_pretrained(path)
   checkpoints = {"per_expert": str(path)}

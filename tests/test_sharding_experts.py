@@ -123,12 +123,21 @@ for scheme in ("wna16", "mxint4", "w4a8_int8"):
       got = sharded(p, ep, 1, "all_to_all")
       check_ep(p, got, want, experts, arrays, scheme in ("wna16", "mxint4"), 2,
                (scheme, dt, ep, "a2a"))
-      got = sharded(p, ep, 1, "replicated")
-      check_ep(p, got, want, experts, arrays, False, k + 2, (scheme, dt, ep, "replicated"))
+      # One psum, then (threshold lowered: T=9 on 4 shards, padded) tokens split over the
+      # expert axis: all-gather in, reduce-scatter out.
+      for scatter_min in (sh._SCATTER_MIN_TOKENS_PER_SHARD, 1):
+        sh._SCATTER_MIN_TOKENS_PER_SHARD, saved = scatter_min, sh._SCATTER_MIN_TOKENS_PER_SHARD
+        got = sharded(p, ep, 1, "replicated")
+        sh._SCATTER_MIN_TOKENS_PER_SHARD = saved
+        check_ep(p, got, want, experts, arrays, False, k + 2,
+                 (scheme, dt, ep, "replicated", scatter_min))
     for d in (("replicated", "all_to_all") if dt == jnp.float32 else ("all_to_all",)):
-      err = rel(sharded(p, 2, 2, d), want)
-      tol = 3e-2 if scheme == "w4a8_int8" else (1e-5 if dt == jnp.float32 else 1e-2)
-      assert err <= tol, (scheme, dt, d, err)
+      for scatter_min in ((sh._SCATTER_MIN_TOKENS_PER_SHARD, 1) if d == "replicated" else (0,)):
+        sh._SCATTER_MIN_TOKENS_PER_SHARD, saved = scatter_min, sh._SCATTER_MIN_TOKENS_PER_SHARD
+        err = rel(sharded(p, 2, 2, d), want)
+        sh._SCATTER_MIN_TOKENS_PER_SHARD = saved
+        tol = 3e-2 if scheme == "w4a8_int8" else (1e-5 if dt == jnp.float32 else 1e-2)
+        assert err <= tol, (scheme, dt, d, scatter_min, err)
 print("ok")
 """
 
@@ -331,8 +340,10 @@ for scheme in ("wna16", "mxint4", "w4a8_int8"):
     assert layout.backend == choice.name, (layout.backend, choice.name)
     for d in ("replicated", "all_to_all", "ragged_all_to_all"):
       fn = jax.jit(lambda x, l: sh.moe_sharded(x, l, layout, sarr, routing, dispatch=d))
-      # T = 77 does not divide the mesh; T = 1 (decode) with EP alone and all-to-all dispatch.
-      for t in ((1, 77) if (tp == 1 and d == "all_to_all") else (77,)):
+      # T = 77 does not divide the mesh; T = 1 (decode) with EP alone and all-to-all dispatch;
+      # T = 301: replicated dispatch with the tokens split over the expert axis (>= 64 a shard).
+      for t in ((1, 77) if (tp == 1 and d == "all_to_all") else
+                (77, 301) if d == "replicated" else (77,)):
         x = jnp.array(r.normal(size=(t, H)), jnp.bfloat16)
         logits = jnp.array(r.normal(size=(t, E)) * 2, jnp.float32)
         # skewed: every token to the first EP rank's experts (several exchange rounds).
