@@ -8,10 +8,11 @@ KV heads of 128, vocab 151936 (--layers takes fewer layers for a quick run).
 
 Printed per batch: decode tokens/s (the second `generate` call's decode time: compiled once),
 prefill tokens/s at --prompt tokens (at the smallest batch only), peak bytes in use per GPU, and the roofline beside them:
-bytes read per decode step / (n_gpu x copy bandwidth), the bytes being every GPU's replicated
-weights (each GPU reads its copy: counted once per GPU) plus the experts the step touches
-(min(E, batch x K) per layer, spread over the GPUs); copy bandwidth measured here on GPU 0
-(a device-to-device copy, bytes read and written).
+batch / (bytes one GPU reads per decode step / copy bandwidth), the bytes being the replicated
+weights each GPU reads (its copy of everything but the embedding table, of which the step
+gathers one row per token) plus its share of the experts the step touches (min(E, batch x K)
+per layer, spread over the GPUs); copy bandwidth measured here on GPU 0 (a device-to-device
+copy, bytes read and written).
 
     python benchmarks/ep_model_bench.py --gpus 4 --batch 1,64 --dispatch all_to_all
     python benchmarks/ep_model_bench.py --gpus 2 --layers 8 --batch 1 --prompt 512
@@ -109,6 +110,9 @@ def main(argv=None) -> int:
       replicated += leaf.nbytes
     else:
       expert_bytes += leaf.nbytes
+  # A decode step gathers one row of the embedding table per token, not the table.
+  embed = model.embed_tokens[...]
+  replicated_read = replicated - embed.nbytes
   per_layer_expert = expert_bytes / args.layers / experts  # one expert's bytes (all its arrays)
   print(f"# {n} GPUs ({gpus[0].device_kind}), {args.layers} layers, {args.quantization}, "
         f"built in {build_s:.0f} s; replicated {replicated / 1e9:.2f} GB per GPU, "
@@ -126,7 +130,8 @@ def main(argv=None) -> int:
         out = models.generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[])
       row["decode_tok_s"] = batch * (args.new_tokens - 1) / out.decode_seconds
       touched = min(experts, batch * cfg["num_experts_per_tok"]) * per_layer_expert * args.layers
-      step_bytes = replicated + touched / n  # per GPU, in parallel
+      step_bytes = (replicated_read + batch * embed.shape[-1] * embed.dtype.itemsize
+                    + touched / n)  # per GPU, in parallel
       row["decode_roofline_tok_s"] = batch / (step_bytes / bw)
       if batch == min(batches) and args.prompt:  # prefill at the smallest batch
         prompts = rng.integers(0, vocab, (batch, args.prompt)).tolist()

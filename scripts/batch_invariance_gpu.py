@@ -1,5 +1,6 @@
 """Whether a GPU scheme's per-token results depend on the batch around the token, on one GPU:
-the op on T rows against each row alone (bit-identical or not), and greedy decoding of the
+the MoE block (router GEMM included) on T rows against each row alone (bit-identical or not),
+and greedy decoding of the
 trained tiny model at batch 4 against each prompt alone, with and without
 JAX_MOEQ_DETERMINISTIC=1 (read at trace time: each setting traces anew).
 

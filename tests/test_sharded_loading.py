@@ -413,7 +413,13 @@ _GPU_GREEDY = textwrap.dedent("""
         print(f"{quantization} ({backend}) {n} GPUs {dispatch}: greedy tokens equal {same} "
               f"(to one GPU's batch of {len(prompts)}: {bool(np.array_equal(got, want))}), "
               f"logits rel {err:.2e}", flush=True)
-        if not same or err > 2e-2:
+        # The MoE block's per-token results (XLA's router GEMM, the kernels' launch choices)
+        # move by an ulp with the batch around the token (scripts/batch_invariance_gpu.py), and
+        # the mesh runs other batch shapes than one GPU. Where that already parts one GPU's
+        # greedy tokens (batch 4 against its groups; MxInt4 on the 2026-11-26 run), the tokens
+        # have no single reference: the prompt logits' bound still holds.
+        batch_dependent = not all(np.array_equal(g, want) for g in per_group.values())
+        if (not same and not batch_dependent) or err > 2e-2:
           failures.append((quantization, n, dispatch, same, err))
     assert not failures, failures
     print("ok")
