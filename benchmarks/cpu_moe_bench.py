@@ -22,8 +22,9 @@ fresh routings. Printed per T:
 KTransformers' kt-kernel (`--baselines ktk`, on by default, skipped with the reason printed when
 it does not import): its AMXINT4 / AMXINT8 experts (`--ktk-methods`), quantized by its own online
 quantizer from the same float weights (ours: q·scale in bf16), `--layers` layers chained through
-the same residual with their own weights and the same routings, on a kt-kernel worker pool of the
-same thread count, interleaved call by call with ours. kt-kernel picks its build by the CPU flags
+the same residual with their own weights and the same routings, on a kt-kernel worker pool of one
+thread fewer (its caller spins in `sync()` on the remaining core; `--ktk-threads` sets it),
+interleaved call by call with ours. kt-kernel picks its build by the CPU flags
 (AMX on Sapphire Rapids and later, else AVX-512, else AVX2; `--ktk-variant` overrides); its AVX2
 build has no online int4/int8 quantizer, so there the peer is skipped with that reason. It is driven
 through its extension (`CPUInfer.submit` / `sync` of `forward_task`), as its `KTMoEWrapper.forward`
@@ -492,7 +493,10 @@ def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> Ktk
     notes.append(f"kt-kernel skipped: {why}")
     progress(f"kt-kernel skipped: {why}")
     return None
-  threads = args.ktk_threads or args.threads_used
+  # Its caller spins in CPUInfer.sync() while the pool works: a pool as large as the core count
+  # oversubscribes them, and every layer then waits out two 4 ms scheduler ticks (measured on the
+  # 2-core VM and the 16-core Xeon: 8-9 ms a layer at T=1 whatever the experts).
+  threads = args.ktk_threads or max(1, args.threads_used - 1)
   progress(f"{shape.name}: kt-kernel quantizing {len(stacks)} layers from bf16 "
            f"({','.join(args.ktk_methods)}, {threads} threads)")
   start = time.perf_counter()
@@ -869,8 +873,8 @@ def machine_lines(threads: int, dram: dict[str, float], llc: tuple[int, int] | N
   return [
       f"- machine: {model}, {_timing.usable_cores()} usable cores, {isa}, {llc_text}; "
       f"kernel ISA {module.selected_isa()} (available {list(module.available_isas())})",
-      f"- threads: {threads} (XLA's intra-op pool, PJRT_NPROC; ORT's intra-op threads and "
-      "kt-kernel's worker pool the same)",
+      f"- threads: {threads} (XLA's intra-op pool, PJRT_NPROC; ORT's intra-op threads the same; "
+      "kt-kernel's worker pool in its note)",
       f"- DRAM read bandwidth ({dram['nbytes'] / 2**30:.1f} GiB array, {dram['threads']} threads): "
       f"{dram['best']:.1f} GB/s (" + ", ".join(f"{k} {dram[k]:.1f}" for k in ("native", "numpy", "xla")
                                    if k in dram) + ")",
@@ -994,8 +998,8 @@ def main(argv=None) -> int:
                                "avx2"),
                       help="kt-kernel build to load (default: its own pick from the CPU flags)")
   parser.add_argument("--ktk-threads", type=int,
-                      help="kt-kernel worker pool threads (default: --threads; its caller spins in "
-                           "sync() beside them)")
+                      help="kt-kernel worker pool threads (default: --threads less one: its "
+                           "caller spins in sync() beside them)")
   parser.add_argument("--baseline-budget", type=float, default=30.0,
                       help="seconds per ref/xla baseline per shape (T values over it left out)")
   parser.add_argument("--target-seconds", type=float, default=2.0,
