@@ -15,6 +15,9 @@
 #   Stages run in the order test, model, exchange, big, bench;
 #   LIMIT: seconds the whole run may take (default 570: a device call's 600 s, less a margin);
 #     each stage gets what is left, the bench stops starting configurations in time.
+# Stage times on 4 H200s (2026-11-26): test ~200 s, model ~220 s, big at 16 layers ~180 s (94
+# layers: ~210 s of build alone on 2 GPUs), bench (2 shapes x T 16/1024/4096 x 2 dispatches, 4
+# layers, profiled) ~220 s: plan two stages per call.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and the others: /work/.library/device/KINDS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
