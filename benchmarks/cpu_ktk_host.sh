@@ -6,6 +6,9 @@
 # Builds the CPU library for this Python when it is missing. Report, JSON, plot and logs go to $OUT.
 #   THREADS=16 TOKENS=1,8,128,512 SHAPES=olmoe METHODS=AMXINT4,AMXINT8 BENCH_ARGS=... (passed on);
 #   PROBE=0 skips benchmarks/ktk_stream_probe.py (its wrapper's forward with a CUDA stream, first).
+#   Shapes: olmoe, qwen3 (Qwen3-30B-A3B), dsv2lite, dsv3 (one DeepSeek-V3 layer, ~5.6 GB of int4:
+#   run it alone with BENCH_ARGS="--layers 2", each contender holding its own copies).
+#   kt-kernel's pool is THREADS - 1 unless BENCH_ARGS sets --ktk-threads (its caller spins).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cpu_ktk_host}

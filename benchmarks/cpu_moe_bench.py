@@ -96,6 +96,10 @@ SHAPES = {
     "olmoe": Shape("OLMoE-1B-7B", 64, 8, 2048, 1024),
     "qwen": Shape("Qwen1.5-MoE-A2.7B", 60, 4, 2048, 1408),
     "mixtral": Shape("Mixtral-8x7B", 8, 2, 4096, 14336),
+    "qwen3": Shape("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    "dsv2lite": Shape("DeepSeek-V2-Lite", 64, 6, 2048, 1408),  # routed experts only
+    # One DeepSeek-V3 layer's routed experts: ~5.6 GB of int4, the hybrid-inference case.
+    "dsv3": Shape("DeepSeek-V3", 256, 8, 7168, 2048),
     "tiny": Shape("tiny", 8, 2, 256, 256),  # a smoke test of the script, not a figure
 }
 DEFAULT_TOKENS = (1, 8, 32, 128, 512)
