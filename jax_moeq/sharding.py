@@ -1053,6 +1053,18 @@ def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
     weights, ids = _route(layout, token_in[0], routing, bias)
     return weights, ids.astype(jnp.int32), local_arrays
 
+  def split_tokens(body):
+    """`body` per shard with x and the per-token args split over the expert axis (T padded to
+    a multiple of it), the rest of the token args replicated; [T, H] split the same way."""
+    t, padded = _pad_tokens(n_ep, x, *token_args[:n_token_args])
+    extra = token_args[n_token_args:]
+    tokens = P(layout.expert_axis)
+    fn = _shard_map_unchecked(
+        body, mesh=mesh,
+        in_specs=(tokens,) * (1 + n_token_args) + (P(),) * len(extra) + (layout.spec,) * len(names),
+        out_specs=tokens)
+    return fn(*padded, *extra, *(arrays[n] for n in names))[:t]
+
   if dispatch != "replicated":
     def a2a_body(x, *rest):
       weights, ids, local_arrays = pairs(rest[:n_token_args], rest[n_token_args:])
@@ -1063,14 +1075,7 @@ def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
                                layout.tensor_axis, dispatch == "ragged_all_to_all")
       return _combine_slots(v, layout.scheme, x.dtype)
 
-    t, padded = _pad_tokens(n_ep, x, *token_args[:n_token_args])
-    extra = token_args[n_token_args:]
-    tokens = P(layout.expert_axis)
-    fn = _shard_map_unchecked(
-        a2a_body, mesh=mesh,
-        in_specs=(tokens,) * (1 + n_token_args) + (P(),) * len(extra) + (layout.spec,) * len(names),
-        out_specs=tokens)
-    return fn(*padded, *extra, *(arrays[n] for n in names))[:t]
+    return split_tokens(a2a_body)
 
   # GPU kernels skip ids outside [0, E) at no cost, so a shard runs every row with the other
   # shards' pairs masked (`_ep_apply` without a capacity) rather than gathering one-slot rows.
@@ -1102,14 +1107,7 @@ def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
                                 tiled=True).astype(x.dtype)
 
   if scatter:
-    t, padded = _pad_tokens(n_ep, x, *token_args[:n_token_args])
-    extra = token_args[n_token_args:]
-    tokens = P(layout.expert_axis)
-    fn = _shard_map_unchecked(
-        body, mesh=mesh,
-        in_specs=(tokens,) * (1 + n_token_args) + (P(),) * len(extra) + (layout.spec,) * len(names),
-        out_specs=tokens)
-    return fn(*padded, *extra, *(arrays[n] for n in names))[:t]
+    return split_tokens(body)
   fn = _shard_map_unchecked(body, mesh=mesh,
                             in_specs=(P(),) * (1 + len(token_args)) + (layout.spec,) * len(names),
                             out_specs=P())
