@@ -71,3 +71,18 @@ def test_plot_series_of_the_recorded_runs():
   dense = dict(exchange["all_to_all"])
   for t, gbps in exchange["ragged_all_to_all (default)"]:
     assert gbps < dense[t], (t, gbps, dense[t])
+
+
+def test_plot_weak_scaling_series_of_the_4_gpu_run():
+  """The weak-scaling panel from docs/data/ep_gpu_bench_h200x4.json: both shapes and both
+  dispatches on 4 GPUs, efficiencies in (0, 1], and replicated ahead of all_to_all at every T
+  (the recorded figures the docs quote)."""
+  import plot_ep_gpu  # noqa: E402
+  with open(os.path.join(ROOT, "docs", "data", "ep_gpu_bench_h200x4.json")) as f:
+    scaling = plot_ep_gpu.scaling_series(json.load(f)["rows"])
+  for shape in ("dsv3", "qwen235"):
+    replicated = dict(scaling[f"{shape}, 4 GPUs, replicated"])
+    exchange = dict(scaling[f"{shape}, 4 GPUs, all_to_all"])
+    assert sorted(replicated) == sorted(exchange) == [16, 1024, 4096]
+    for t, eff in exchange.items():
+      assert 0 < eff < replicated[t] <= 1, (shape, t, eff, replicated[t])
