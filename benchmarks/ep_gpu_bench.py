@@ -222,7 +222,7 @@ def exchange_bytes(n: int, t: int, k: int, h: int, dispatch_mode: str, factor: f
     return 0.0
   if dispatch_mode == "replicated":
     gather = (n - 1) / n * n * t * h * 2
-    scatter = t * n >= sh._SCATTER_MIN_TOKENS_PER_SHARD * n  # pylint: disable=protected-access
+    scatter = sh.replicated_scatters(n * t, n)
     return gather + (1 if scatter else 2) * (n - 1) / n * n * t * h * 4
   cap = sh.a2a_capacity(t, k, n, factor)
   rounds = int(max(1, (counts.max() + cap - 1) // cap))

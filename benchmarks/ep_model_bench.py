@@ -65,7 +65,6 @@ def set_dispatch(model, dispatch: str) -> None:
     if isinstance(node, ShardedMoE):
       sh._check_dispatch(dispatch, node.layout.expert_axis, node.layout.mesh)
       node.dispatch = dispatch
-      node.backend = node.layout.describe(dispatch)
 
 
 def main(argv=None) -> int:

@@ -959,9 +959,10 @@ def _on_gpus(mesh: Mesh) -> bool:
   return all(d.platform in ("gpu", "cuda", "rocm") for d in mesh.devices.flat)
 
 
-def _scatter_replicated(layout: ExpertsLayout, tokens: int) -> bool:
-  return (layout.expert_axis is not None and layout.n_ep > 1
-          and tokens >= _SCATTER_MIN_TOKENS_PER_SHARD * layout.n_ep)
+def replicated_scatters(tokens: int, n_ep: int) -> bool:
+  """Whether replicated dispatch of `tokens` over n_ep expert shards takes the all-gather /
+  reduce-scatter form (else one psum)."""
+  return n_ep > 1 and tokens >= _SCATTER_MIN_TOKENS_PER_SHARD * n_ep
 
 
 def _routed_rows_fn(layout: ExpertsLayout, arrays: dict[str, Array]
@@ -1043,13 +1044,18 @@ def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
   axes = tuple(a for a in (layout.tensor_axis, layout.expert_axis) if a is not None)
   n_token_args = 2 if not layout.kernel_routing else 1
 
+  def unpack(rest):
+    """(correction bias or None, this shard's arrays by name) from the per-shard args after the
+    token args."""
+    bias = rest[0] if len(rest) > len(names) else None
+    return bias, dict(zip(names, rest[len(rest) - len(names):]))
+
   def pairs(token_in, rest):
     """(weights, ids, local arrays) of this shard's tokens."""
-    local_arrays = dict(zip(names, rest[len(rest) - len(names):]))
+    bias, local_arrays = unpack(rest)
     if not layout.kernel_routing:
       ids, weights = token_in
       return weights, ids, local_arrays
-    bias = rest[0] if len(rest) > len(names) else None
     weights, ids = _route(layout, token_in[0], routing, bias)
     return weights, ids.astype(jnp.int32), local_arrays
 
@@ -1080,22 +1086,20 @@ def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
   # GPU kernels skip ids outside [0, E) at no cost, so a shard runs every row with the other
   # shards' pairs masked (`_ep_apply` without a capacity) rather than gathering one-slot rows.
   factor = None if _on_gpus(mesh) else capacity_factor
-  scatter = _scatter_replicated(layout, x.shape[0])
+  scatter = layout.expert_axis is not None and replicated_scatters(x.shape[0], n_ep)
 
   def body(x, *rest):
     token_in, rest = rest[:n_token_args], rest[n_token_args:]
     if scatter:  # tokens arrive split over the expert axis: every shard runs all of them
       gather = functools.partial(jax.lax.all_gather, axis_name=layout.expert_axis, tiled=True)
       x, token_in = gather(x), tuple(gather(a) for a in token_in)
+    bias, local_arrays = unpack(rest)
     if layout.kernel_routing:
-      local_arrays = dict(zip(names, rest[len(rest) - len(names):]))
-      bias = rest[0] if len(rest) > len(names) else None
       local = _local(local_arrays)
       y = _rank_switch(layout.expert_axis, n_ep, lambda r: layout.experts[r].apply(
           x, token_in[0], local, routing, bias)).astype(jnp.float32)
     else:
       ids, weights = token_in
-      local_arrays = dict(zip(names, rest))
       y = _ep_apply(_routed_rows_fn(layout, local_arrays), x, ids, weights, per,
                     layout.expert_axis, n_ep, factor, null_id=-1)
     if not scatter:

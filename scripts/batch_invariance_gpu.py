@@ -1,8 +1,7 @@
 """Whether a GPU scheme's per-token results depend on the batch around the token, on one GPU:
-the MoE block (router GEMM included) on T rows against each row alone (bit-identical or not),
-and greedy decoding of the
-trained tiny model at batch 4 against each prompt alone, with and without
-JAX_MOEQ_DETERMINISTIC=1 (read at trace time: each setting traces anew).
+the MoE block (router GEMM included) on 4 rows against each row alone (bit-identical or not),
+and greedy decoding of the trained tiny model at batch 4 against each prompt alone, with and
+without JAX_MOEQ_DETERMINISTIC=1 (read at trace time: each setting traces anew).
 
 Data-parallel attention gives each GPU of a mesh its own group of sequences, so a model on n GPUs
 reproduces one GPU's tokens only where the per-token results do not depend on the batch.
@@ -16,8 +15,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jax_moeq import models
+from jax_moeq.nn.moe import QuantizedMoE
 
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                      "tiny_qwen3_moe")
@@ -38,29 +39,17 @@ def main() -> int:
       step = "-" if same else int(np.argmax(np.any(whole != alone, 0)))
       print(f"deterministic={deterministic} {quantization} ({model.moe_backends()}): greedy "
             f"batch 4 == each alone: {same}; first differing position {step}", flush=True)
-      # The MoE block alone on random hidden states: 4 rows at once against each row.
-      mlp = _moe_block(model)
-      if mlp is not None:
-        x = jax.random.normal(jax.random.key(0), (4, 1, mlp_hidden(model)), jnp.float32
-                              ).astype(jnp.bfloat16)
-        f = jax.jit(lambda m, x: m(x))
-        rows = np.asarray(f(mlp, x.reshape(1, 4, -1)).astype(jnp.float32))[0]
-        each = np.concatenate([np.asarray(f(mlp, x[i:i + 1]).astype(jnp.float32))[0]
-                               for i in range(4)])
-        print(f"  MoE block: 4 rows == each row alone: {bool(np.array_equal(rows, each))}, "
-              f"max |diff| {float(np.abs(rows - each).max()):.3e}", flush=True)
+      # The first MoE block alone on random hidden states: 4 rows at once against each row.
+      mlp = next(node for _, node in nnx.iter_graph(model) if isinstance(node, QuantizedMoE))
+      x = jax.random.normal(jax.random.key(0), (4, 1, mlp.spec.hidden_size), jnp.float32
+                            ).astype(jnp.bfloat16)
+      f = jax.jit(lambda m, x: m(x))
+      rows = np.asarray(f(mlp, x.reshape(1, 4, -1)).astype(jnp.float32))[0]
+      each = np.concatenate([np.asarray(f(mlp, x[i:i + 1]).astype(jnp.float32))[0]
+                             for i in range(4)])
+      print(f"  MoE block: 4 rows == each row alone: {bool(np.array_equal(rows, each))}, "
+            f"max |diff| {float(np.abs(rows - each).max()):.3e}", flush=True)
   return 0
-
-
-def _moe_block(model):
-  for path, node in __import__("flax").nnx.iter_graph(model):
-    if type(node).__name__ in ("QuantizedMoE", "ShardedMoE"):
-      return node
-  return None
-
-
-def mlp_hidden(model) -> int:
-  return int(model.config.hidden_size) if hasattr(model, "config") else 256
 
 
 if __name__ == "__main__":

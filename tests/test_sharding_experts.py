@@ -114,6 +114,7 @@ _PRELUDE = textwrap.dedent("""
 
 # EP alone and EP x TP, every scheme, float32 and bf16, both CPU dispatches.
 _EP_TP = """
+from unittest import mock
 for scheme in ("wna16", "mxint4", "w4a8_int8"):
   for dt in (jnp.float32, jnp.bfloat16):
     p = problem(scheme, dt, seed=1)
@@ -126,16 +127,15 @@ for scheme in ("wna16", "mxint4", "w4a8_int8"):
       # One psum, then (threshold lowered: T=9 on 4 shards, padded) tokens split over the
       # expert axis: all-gather in, reduce-scatter out.
       for scatter_min in (sh._SCATTER_MIN_TOKENS_PER_SHARD, 1):
-        sh._SCATTER_MIN_TOKENS_PER_SHARD, saved = scatter_min, sh._SCATTER_MIN_TOKENS_PER_SHARD
-        got = sharded(p, ep, 1, "replicated")
-        sh._SCATTER_MIN_TOKENS_PER_SHARD = saved
+        with mock.patch.object(sh, "_SCATTER_MIN_TOKENS_PER_SHARD", scatter_min):
+          got = sharded(p, ep, 1, "replicated")
         check_ep(p, got, want, experts, arrays, False, k + 2,
                  (scheme, dt, ep, "replicated", scatter_min))
     for d in (("replicated", "all_to_all") if dt == jnp.float32 else ("all_to_all",)):
-      for scatter_min in ((sh._SCATTER_MIN_TOKENS_PER_SHARD, 1) if d == "replicated" else (0,)):
-        sh._SCATTER_MIN_TOKENS_PER_SHARD, saved = scatter_min, sh._SCATTER_MIN_TOKENS_PER_SHARD
-        err = rel(sharded(p, 2, 2, d), want)
-        sh._SCATTER_MIN_TOKENS_PER_SHARD = saved
+      for scatter_min in ((sh._SCATTER_MIN_TOKENS_PER_SHARD, 1) if d == "replicated" else
+                          (sh._SCATTER_MIN_TOKENS_PER_SHARD,)):
+        with mock.patch.object(sh, "_SCATTER_MIN_TOKENS_PER_SHARD", scatter_min):
+          err = rel(sharded(p, 2, 2, d), want)
         tol = 3e-2 if scheme == "w4a8_int8" else (1e-5 if dt == jnp.float32 else 1e-2)
         assert err <= tol, (scheme, dt, d, scatter_min, err)
 print("ok")

@@ -99,7 +99,10 @@ class ShardedMoE(_MoEBase):
     self.scheme = layout.scheme
     self.group_size = layout.group_size
     self.mesh = layout.mesh
-    self.backend = layout.describe(dispatch)
+
+  @property
+  def backend(self) -> str:
+    return self.layout.describe(self.dispatch)
 
   def sharded_arrays(self) -> dict[str, Array]:
     return {name: getattr(self, name)[...] for name in self.sharded_names}
