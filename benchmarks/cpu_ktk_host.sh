@@ -9,6 +9,8 @@
 #   Shapes: olmoe, qwen3 (Qwen3-30B-A3B), dsv2lite, dsv3 (one DeepSeek-V3 layer, ~5.6 GB of int4:
 #   run it alone with BENCH_ARGS="--layers 2", each contender holding its own copies).
 #   kt-kernel's pool is THREADS - 1 unless BENCH_ARGS sets --ktk-threads (its caller spins).
+#   WHEELS=folder installs the wheels in it (no deps) ahead of the host's packages, e.g. an
+#   onnxruntime >= 1.32 for the QMoE peer when the host's is older.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cpu_ktk_host}
@@ -22,9 +24,15 @@ if ! ls jax_moeq/_cpu_ffi*.so >/dev/null 2>&1; then
     tail -30 "$OUT/build.log"; echo "build: FAILED"; exit 1
   fi
 fi
-export PYTHONPATH=$PWD:$PWD/$KTK
+if [ -n "${WHEELS:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/cpu_ktk_site "$WHEELS"/*.whl || { echo "wheels: FAILED"; exit 1; }
+  export PYTHONPATH=/tmp/cpu_ktk_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD:$PWD/$KTK${PYTHONPATH:+:$PYTHONPATH}
 lscpu | grep -E "Model name|^CPU\(s\)|L3|NUMA node\(s\)" | tee "$OUT/lscpu.txt"
-"$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)' \
+"$PY" -c 'import sys, torch, onnxruntime as o; print("python", sys.version.split()[0], "torch",
+  torch.__version__, "onnxruntime", o.__version__)' \
   | tee "$OUT/versions.txt"
 # How its KTMoEWrapper.forward behaves with a CUDA stream (one child process per way of calling it).
 if [ "${PROBE:-1}" = 1 ]; then
