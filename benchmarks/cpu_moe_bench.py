@@ -251,6 +251,26 @@ def dense_fn():
 
 
 ORT_GRAPH_BYTES = 1_800_000_000  # a serialized ONNX model must stay under protobuf's 2 GB
+
+
+def _ort_initializer(array: np.ndarray, name: str, external_dir: str | None):
+  """A TensorProto of `array`; with `external_dir`, its bytes go to a file there and the proto
+  only names it (ONNX external data), so that one layer of more than 2 GB (DeepSeek-V3's
+  routed experts) still makes a model that protobuf can hold."""
+  from onnx import TensorProto, helper, numpy_helper
+  if external_dir is None:
+    return numpy_helper.from_array(array, name)
+  location = f"{name}.bin"
+  array = np.ascontiguousarray(array)
+  array.tofile(os.path.join(external_dir, location))
+  tensor = helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype),
+                                         array.shape).type.tensor_type
+  proto = TensorProto(name=name, data_type=tensor.elem_type, dims=array.shape,
+                      data_location=TensorProto.EXTERNAL)
+  for key, value in (("location", location), ("offset", "0"), ("length", str(array.nbytes))):
+    entry = proto.external_data.add()
+    entry.key, entry.value = key, value
+  return proto
 ORT_BLOCK_SIZE = 128  # QMoE's int4 block (group) size
 
 
@@ -284,7 +304,12 @@ def ort_session(shape: Shape, seed: int, threads: int, layers: range,
     from onnx import TensorProto, helper, numpy_helper
   except ImportError as e:
     return None, f"onnxruntime/onnx not installed ({e.name}); `pip install .[bench]`"
+  import tempfile
   e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
+  layer_bytes = e * (3 * h * i // 2 + 3 * h * i // block_size * 4)
+  # Held for the session's life: ORT reads external data when the session is made.
+  external = (tempfile.TemporaryDirectory(prefix="ort_qmoe_")
+              if layer_bytes * len(layers) > ORT_GRAPH_BYTES else None)
   inits, nodes, x = [], [], "input"
   for l in layers:
     rng = np.random.default_rng((seed + l, 7))
@@ -294,7 +319,9 @@ def ort_session(shape: Shape, seed: int, threads: int, layers: range,
     s1 = (rng.uniform(0.5, 1.5, (e, 2 * i, h // block_size)) / (8 * np.sqrt(h))).astype(np.float32)
     s2 = (rng.uniform(0.5, 1.5, (e, h, i // block_size)) / (8 * np.sqrt(i))).astype(np.float32)
     names = [f"fc1_w_{l}", f"fc1_s_{l}", f"fc2_w_{l}", f"fc2_s_{l}"]
-    inits += [numpy_helper.from_array(a, n) for a, n in zip((fc1, s1, fc2, s2), names)]
+    inits += [_ort_initializer(a, n, external and external.name)
+              for a, n in zip((fc1, s1, fc2, s2), names)]
+    del fc1, fc2
     nodes.append(helper.make_node(
         "QMoE", [x, f"router_probs_{l}", names[0], names[1], "", names[2], names[3]],
         [f"moe_{l}"], domain="com.microsoft", k=k, activation_type="swiglu", swiglu_fusion=1,
@@ -317,14 +344,21 @@ def ort_session(shape: Shape, seed: int, threads: int, layers: range,
   options.add_session_config_entry("session.intra_op.allow_spinning", "0")
   options.add_session_config_entry("session.inter_op.allow_spinning", "0")
   try:
-    session = ort.InferenceSession(model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+    if external is None:
+      source = model.SerializeToString()
+    else:
+      source = os.path.join(external.name, "model.onnx")
+      onnx.save_model(model, source)
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     session.run(None, {"input": np.ones((1, h), np.float32),
                        **{f"router_probs_{l}": np.ones((1, e), np.float32)
                           for l in layers}})
   except Exception as err:  # ORT raises its own exception types
     return None, f"onnxruntime {ort.__version__} refused QMoE: {str(err).splitlines()[0][:200]}"
-  return session, f"onnxruntime {ort.__version__}"
+  finally:
+    if external is not None:
+      external.cleanup()  # the session holds its own copy of the weights
+  return session, f"onnxruntime {ort.__version__}" + (", weights as external data" if external else "")
 
 
 KTK_METHODS = ("AMXINT4", "AMXINT8")  # kt-kernel's int4 / int8 experts, quantized online from bf16

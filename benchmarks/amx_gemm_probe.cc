@@ -1,0 +1,250 @@
+// Where an AMX W4A8 GEMM's time goes: the production kernels (csrc/cpu) beside variants of the
+// AMX loop with one part left out at a time (results then wrong; timing only) and with the
+// activations laid out per 64-input chunk. Built and run on an AMX host by
+// benchmarks/amx_gemm_probe.sh; prints GMAC/s per variant, row count and thread count.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cpu/cpu_isa.h"
+#include "cpu/w4a8_gemm.h"
+
+using namespace jax_moeq::cpu;
+
+namespace {
+
+constexpr int64_t kTileM = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// kPromote: int32 sums promoted each group; kStore: C tiles stored each group; kUnpack: the
+// group's nibbles unpacked each group; kChunkA: A laid out [chunk][row][64] (stride 64 bytes).
+template <bool kPromote, bool kStore, bool kUnpack, bool kChunkA>
+void AmxVariant(const W4A8GemmArgs& a) {
+  const PackedGemmShape& s = a.shape;
+  const int64_t groups = s.groups(), bpg = s.group / kBlockInputs, k = s.k;
+  const int64_t m_pad = (a.m + kTileM - 1) / kTileM * kTileM;
+  static thread_local std::vector<int8_t> abuf;
+  static thread_local std::vector<uint8_t> bbuf;
+  static thread_local std::vector<float> acc;
+  static thread_local std::vector<int32_t> c;
+  abuf.assign(m_pad * k, 0);
+  bbuf.assign(s.group * kTileRows, 0);
+  acc.assign(m_pad * kTileRows, 0.f);
+  c.assign(4 * 256, 0);
+  for (int64_t i = 0; i < a.m; ++i) {
+    const int8_t* src = a.act.values + a.rows[i] * k;
+    if (kChunkA) {
+      for (int64_t ch = 0; ch < k / 64; ++ch) std::memcpy(&abuf[(ch * m_pad + i) * 64], src + ch * 64, 64);
+    } else {
+      std::memcpy(&abuf[i * k], src, k);
+    }
+  }
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 4; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  cfg.rows[4] = 16; cfg.colsb[4] = 64;
+  cfg.rows[6] = 16; cfg.colsb[6] = 64;
+  _tile_loadconfig(&cfg);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
+    const uint8_t* p = a.weights + nt * s.tile_bytes();
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
+      for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2Bytes + ahead), _MM_HINT_T1);
+      }
+      if (kUnpack || gi == 0) {
+        for (int64_t kb = 0; kb < bpg; ++kb) {
+          const __m512i v = _mm512_loadu_si512(p + kb * 64);
+          _mm512_storeu_si512(&bbuf[2 * kb * 64], _mm512_and_si512(v, low));
+          _mm512_storeu_si512(&bbuf[(2 * kb + 1) * 64], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+      }
+      const __m512 scale = _mm512_loadu_ps(p + bpg * 64);
+      for (int64_t row0 = 0; row0 < m_pad; row0 += 64) {
+        const int64_t tiles = std::min<int64_t>(4, (m_pad - row0) / 16);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t ch = 0; ch < s.group / 64; ++ch) {
+          _tile_loadd(6, &bbuf[ch * 16 * 64], 64);
+          const int64_t kc = gi * s.group / 64 + ch;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int8_t* ap = kChunkA ? &abuf[(kc * m_pad + row0 + 16 * t) * 64]
+                                       : &abuf[(row0 + 16 * t) * k + kc * 64];
+            _tile_loadd(4, ap, kChunkA ? 64 : k);
+            switch (t) {
+              case 0: _tile_dpbsud(0, 4, 6); break;
+              case 1: _tile_dpbsud(1, 4, 6); break;
+              case 2: _tile_dpbsud(2, 4, 6); break;
+              default: _tile_dpbsud(3, 4, 6); break;
+            }
+          }
+        }
+        if (kStore) {
+          _tile_stored(0, &c[0], 64);
+          if (tiles > 1) _tile_stored(1, &c[256], 64);
+          if (tiles > 2) _tile_stored(2, &c[512], 64);
+          if (tiles > 3) _tile_stored(3, &c[768], 64);
+        }
+        if (kPromote) {
+          const int64_t rows = std::min<int64_t>(tiles * 16, a.m - row0);
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t row = a.rows[row0 + i];
+            const __m512i sums = _mm512_loadu_si512(&c[i * 16]);
+            const __m512i cen = _mm512_sub_epi32(sums, _mm512_set1_epi32(a.act.sum8[row * groups + gi]));
+            float* dst = &acc[(row0 + i) * 16];
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(cen), scale, _mm512_loadu_ps(dst)));
+          }
+        }
+      }
+    }
+    const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
+    const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
+    const __m512 corr = _mm512_loadu_ps(row_corr + nt * 16), b = _mm512_loadu_ps(bias + nt * 16);
+    for (int64_t i = 0; i < a.m; ++i) {
+      const int64_t row = a.rows[i];
+      const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
+      const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
+      const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, _mm512_loadu_ps(&acc[i * 16])), xs, b);
+      _mm512_storeu_ps(a.out + i * s.n + nt * 16, y);
+    }
+  }
+  _tile_release();
+}
+
+using Kernel = void (*)(const W4A8GemmArgs&);
+
+struct Problem {
+  PackedGemmShape shape;
+  std::vector<uint8_t> weights;
+  std::vector<int8_t> values;
+  std::vector<float> scale;
+  std::vector<int32_t> zp, sum8, rows;
+  std::vector<float> out;
+};
+
+Problem MakeProblem(int64_t n, int64_t k, int64_t group, int64_t m, uint32_t seed) {
+  Problem p;
+  p.shape = {n, k, group};
+  std::mt19937 rng(seed);
+  p.weights.resize(p.shape.total_bytes());
+  for (auto& b : p.weights) b = static_cast<uint8_t>(rng());
+  // Scales, row_corr and bias as small floats (random bytes would be NaN or huge).
+  std::uniform_real_distribution<float> u(0.5f, 1.5f);
+  const int64_t bpg = group / kBlockInputs;
+  for (int64_t nt = 0; nt < n / 16; ++nt) {
+    for (int64_t gi = 0; gi < p.shape.groups(); ++gi) {
+      float* sc = reinterpret_cast<float*>(&p.weights[nt * p.shape.tile_bytes() + gi * p.shape.chunk_bytes() + bpg * 64]);
+      for (int r = 0; r < 16; ++r) sc[r] = u(rng) * 1e-3f;
+    }
+  }
+  float* tail = reinterpret_cast<float*>(&p.weights[p.shape.row_corr_offset()]);
+  for (int64_t i = 0; i < 2 * n; ++i) tail[i] = u(rng);
+  p.values.resize(m * k);
+  for (auto& v : p.values) v = static_cast<int8_t>(rng());
+  p.scale.assign(m, 0.01f);
+  p.zp.resize(m);
+  for (auto& z : p.zp) z = static_cast<int32_t>(rng() % 255) - 127;
+  p.sum8.resize(m * p.shape.groups());
+  for (auto& s : p.sum8) s = static_cast<int32_t>(rng() % 20000) - 10000;
+  p.rows.resize(m);
+  for (int64_t i = 0; i < m; ++i) p.rows[i] = static_cast<int32_t>(i);
+  p.out.assign(m * n, 0.f);
+  return p;
+}
+
+W4A8GemmArgs Args(Problem& p) {
+  W4A8GemmArgs a;
+  a.weights = p.weights.data();
+  a.shape = p.shape;
+  a.act = {p.values.data(), p.scale.data(), p.zp.data(), p.sum8.data()};
+  a.rows = p.rows.data();
+  a.m = static_cast<int64_t>(p.rows.size());
+  a.out = p.out.data();
+  a.tile_begin = 0;
+  a.tile_end = p.shape.n / 16;
+  return a;
+}
+
+double Seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// GMAC/s of `kernel` on `threads` threads, each on its own problem, for ~0.3 s.
+double Rate(Kernel kernel, std::vector<Problem>& probs) {
+  const int threads = static_cast<int>(probs.size());
+  std::vector<double> rates(threads);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      W4A8GemmArgs a = Args(probs[t]);
+      kernel(a);  // warm
+      const double macs = static_cast<double>(a.m) * a.shape.n * a.shape.k;
+      int reps = 0;
+      const double t0 = Seconds();
+      double t1 = t0;
+      while (t1 - t0 < 0.3) { kernel(a); ++reps; t1 = Seconds(); }
+      rates[t] = macs * reps / (t1 - t0) / 1e9;
+    });
+  }
+  for (auto& th : pool) th.join();
+  double sum = 0;
+  for (double r : rates) sum += r;
+  return sum;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool amx = false;
+  for (Isa i : AvailableIsas()) amx |= i == Isa::kAmxInt8;
+  if (!amx) { std::printf("no AMX on this machine\n"); return 1; }
+  const int64_t n = 2048, k = 2048, group = 128;
+  struct V { const char* name; Kernel kernel; };
+  const V variants[] = {
+      {"vnni (production)", W4A8GemmAvx512Vnni},
+      {"amx (production)", W4A8GemmAmx},
+      {"amx copy", AmxVariant<true, true, true, false>},
+      {"amx chunk-major A", AmxVariant<true, true, true, true>},
+      {"amx no promote", AmxVariant<false, true, true, false>},
+      {"amx no store+promote", AmxVariant<false, false, true, false>},
+      {"amx no unpack", AmxVariant<true, true, false, false>},
+      {"amx products only, chunk-major A", AmxVariant<false, false, false, true>},
+  };
+  const int max_threads = argc > 1 ? std::atoi(argv[1]) : 16;
+  std::printf("N=%ld K=%ld group %ld; GMAC/s summed over threads, each on its own weights\n",
+              (long)n, (long)k, (long)group);
+  for (int threads : {1, max_threads}) {
+    for (int64_t m : {16, 64, 128, 512}) {
+      std::vector<Problem> probs;
+      for (int t = 0; t < threads; ++t) probs.push_back(MakeProblem(n, k, group, m, 1234 + t));
+      // Bit-equality of the variants that keep every part with the production AMX kernel.
+      W4A8GemmArgs a = Args(probs[0]);
+      W4A8GemmAmx(a);
+      const std::vector<float> ref = probs[0].out;
+      for (Kernel kv : {AmxVariant<true, true, true, false>, AmxVariant<true, true, true, true>, W4A8GemmAvx512Vnni}) {
+        std::fill(probs[0].out.begin(), probs[0].out.end(), -1.f);
+        kv(a);
+        if (std::memcmp(ref.data(), probs[0].out.data(), ref.size() * 4) != 0) {
+          std::printf("MISMATCH at m=%ld\n", (long)m);
+        }
+      }
+      for (const V& v : variants) {
+        std::printf("threads %2d m %4ld  %-34s %8.1f GMAC/s\n", threads, (long)m, v.name, Rate(v.kernel, probs));
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
