@@ -215,8 +215,8 @@ int main(int argc, char** argv) {
   const V variants[] = {
       {"vnni (production)", W4A8GemmAvx512Vnni},
       {"amx (production)", W4A8GemmAmx},
-      {"amx copy", AmxVariant<true, true, true, false>},
-      {"amx chunk-major A", AmxVariant<true, true, true, true>},
+      {"amx, 16-output loop (before)", AmxVariant<true, true, true, false>},
+      {"amx, 16-output loop, chunk-major A", AmxVariant<true, true, true, true>},
       {"amx no promote", AmxVariant<false, true, true, false>},
       {"amx no store+promote", AmxVariant<false, false, true, false>},
       {"amx no unpack", AmxVariant<true, true, false, false>},

@@ -63,10 +63,14 @@ def _cmake_file_flags() -> dict[str, list[str]]:
   return flags
 
 
-def _compile_all(cxx: str, sources, defines, out_dir: Path, link_flags) -> Path:
-  """Compiles csrc/cpu `sources` and the harness (two at a time) and links them."""
+def _compile_all(cxx: str, sources, defines, out_dir: Path, link_flags,
+                 extra_flags: dict[str, list[str]] | None = None) -> Path:
+  """Compiles csrc/cpu `sources` and the harness (two at a time) and links them; `extra_flags`
+  adds flags to some files, by name."""
   file_flags = _cmake_file_flags()
-  jobs = [([*_FLAGS, *defines, *file_flags.get(name, []), "-c", str(CPU_DIR / name)], name)
+  extra_flags = extra_flags or {}
+  jobs = [([*_FLAGS, *defines, *file_flags.get(name, []), *extra_flags.get(name, []), "-c",
+            str(CPU_DIR / name)], name)
           for name in sources]
   jobs.append(([*_FLAGS, *defines, "-c", str(HARNESS)], HARNESS.name))
 
@@ -183,6 +187,26 @@ def test_x86_paths_agree_with_portable(tmp_path):
     if "amx_int8" in lines:
       assert re.search(r"^ok amx_int8 against avx512_vnni: \d+ GEMM cases", proc.stdout, re.M), \
           proc.stdout
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64", "amd64"),
+                    reason="the x86 SIMD paths need an x86-64 host")
+@pytest.mark.skipif(_native_cxx() is None, reason="no C++ compiler")
+def test_amx_loops_equal_vnni_on_emulated_tiles(tmp_path):
+  """The AMX GEMM's loops (chunk-major gather, four-tile passes, 64-row panels, every TDPBSUD
+  width, tile and row remainders) on scalar stand-ins for the tile instructions
+  (tests/native/amx_emulation.h), bit for bit against the VNNI path: the check the AMX host runs
+  natively, here on any CPU with AVX-512 VNNI for the promotion's real vector code."""
+  if not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= _x86_cpu_flags():
+    pytest.skip("the AMX file's promotion and unpacking are AVX-512 code; this CPU has none")
+  emulation = ["-include", str(Path(ROOT) / "tests" / "native" / "amx_emulation.h")]
+  exe = _compile_all(_native_cxx(), _X86_SOURCES,
+                     ["-DJAX_MOEQ_X86=1", "-DJAX_MOEQ_AMX_EMULATED=1"], tmp_path, [],
+                     extra_flags={"w4a8_gemm_amx.cc": emulation})
+  proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+  match = re.search(r"^ok amx_int8 against avx512_vnni: (\d+) GEMM cases", proc.stdout, re.M)
+  assert match and int(match.group(1)) > 0, proc.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc)")

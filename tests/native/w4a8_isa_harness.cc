@@ -481,7 +481,7 @@ void CheckMoe(const std::vector<Isa>& isas, std::vector<Tally>& tallies) {
 #if defined(JAX_MOEQ_X86)
 // AMX-INT8 against AVX-512 VNNI, bit for bit (both promote each group's exact int32 sums with
 // the same FMAs), at row counts that fill its 16-row tiles: one block, a partial one, four at
-// once and more (m >= kAmxMinRows; fewer rows run the VNNI code itself). Group sizes take each
+// once, more than one 64-row panel (m >= kAmxMinRows; fewer rows run the VNNI code itself). Group sizes take each
 // TDPBSUD width: 32, 64, 128, and channel-wise K = 48 (16-input chunks), 80, 96 (32), 512 (64).
 // The NaN-scale row stays NaN on both.
 int64_t CheckAmxAgainstVnni() {
@@ -492,7 +492,7 @@ int64_t CheckAmxAgainstVnni() {
                                     {32, 512, 512}, {256, 256, 128}};
   for (const PackedGemmShape& shape : shapes) {
     const Expert e = RandomExpert(shape, 0.05f, rng);
-    for (int64_t m : {16, 17, 31, 33, 64, 70, 129}) {
+    for (int64_t m : {16, 17, 31, 33, 64, 70, 129, 200}) {
       const int64_t act_rows = m + 5;
       const Activations act = RandomActivations(act_rows, shape.k, shape.group, act_rows - 1, rng);
       for (auto [begin, end] : TileRanges(shape.n / kTileRows)) {
@@ -522,7 +522,10 @@ int main() {
   CheckGemms(isas, tallies);
   CheckMoe(isas, tallies);
   int64_t failures = 0;
-#if defined(JAX_MOEQ_X86)
+#if defined(JAX_MOEQ_AMX_EMULATED)
+  // The AMX loops on tests/native/amx_emulation.h's scalar tiles, where the CPU has none.
+  failures += CheckAmxAgainstVnni();
+#elif defined(JAX_MOEQ_X86)
   if (std::find(isas.begin(), isas.end(), Isa::kAmxInt8) != isas.end()) {
     failures += CheckAmxAgainstVnni();
   }
