@@ -182,6 +182,32 @@ void TilePass(const W4A8GemmArgs& a, Buffers& buf, int64_t nt0, int64_t m_pad,
 
 #undef JAX_MOEQ_AMX_LOAD_DOT
 
+// The GEMM's rows chunk-major: chunk kc of row i at (kc * m_pad + i) * chunk_inputs, rows from
+// a.m to m_pad zero. Every work item gathers its own copy, so the 64-input case (every group
+// size from 64 up) moves whole registers rather than calling memcpy per chunk.
+void GatherChunkMajor(const W4A8GemmArgs& a, int64_t m_pad, int64_t chunk_inputs, int8_t* out) {
+  const int64_t k = a.shape.k;
+  const int64_t k_chunks = k / chunk_inputs;
+  for (int64_t i = 0; i < m_pad; ++i) {
+    int8_t* dst = out + i * chunk_inputs;
+    const int64_t dst_stride = m_pad * chunk_inputs;
+    if (i >= a.m) {
+      for (int64_t kc = 0; kc < k_chunks; ++kc) std::memset(dst + kc * dst_stride, 0, chunk_inputs);
+      continue;
+    }
+    const int8_t* src = a.act.values + a.rows[i] * k;
+    if (chunk_inputs == 64) {
+      for (int64_t kc = 0; kc < k_chunks; ++kc) {
+        _mm512_storeu_si512(dst + kc * dst_stride, _mm512_loadu_si512(src + kc * 64));
+      }
+    } else {
+      for (int64_t kc = 0; kc < k_chunks; ++kc) {
+        std::memcpy(dst + kc * dst_stride, src + kc * chunk_inputs, chunk_inputs);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void W4A8GemmAmx(const W4A8GemmArgs& a) {
@@ -193,7 +219,6 @@ void W4A8GemmAmx(const W4A8GemmArgs& a) {
                                : s.group % 32 == 0         ? 32
                                                            : 16;
   const int64_t m_pad = (a.m + kTileM - 1) / kTileM * kTileM;
-  const int64_t k_chunks = s.k / chunk_inputs;
 
   static thread_local Buffers buf;
   if (static_cast<int64_t>(buf.a.size()) < m_pad * s.k) buf.a.resize(m_pad * s.k);
@@ -206,18 +231,7 @@ void W4A8GemmAmx(const W4A8GemmArgs& a) {
   if (static_cast<int64_t>(buf.c.size()) < kMaxNTiles * kTileM * kTileRows) {
     buf.c.resize(kMaxNTiles * kTileM * kTileRows);
   }
-  // Chunk-major gather: chunk kc of row i at (kc * m_pad + i) * chunk_inputs.
-  for (int64_t i = 0; i < m_pad; ++i) {
-    const int8_t* src = i < a.m ? a.act.values + a.rows[i] * s.k : nullptr;
-    for (int64_t kc = 0; kc < k_chunks; ++kc) {
-      int8_t* dst = buf.a.data() + (kc * m_pad + i) * chunk_inputs;
-      if (src) {
-        std::memcpy(dst, src + kc * chunk_inputs, chunk_inputs);
-      } else {
-        std::memset(dst, 0, chunk_inputs);
-      }
-    }
-  }
+  GatherChunkMajor(a, m_pad, chunk_inputs, buf.a.data());
 
   ConfigureTiles(chunk_inputs);
   int64_t nt = a.tile_begin;
