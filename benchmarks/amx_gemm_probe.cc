@@ -1,6 +1,6 @@
-// Where an AMX W4A8 GEMM's time goes: the production kernels (csrc/cpu) beside variants of the
+// Where an AMX W4A8 GEMM's time goes: the production kernels (csrc/cpu) beside a copy of the
 // AMX loop with one part left out at a time (results then wrong; timing only) and with the
-// activations laid out per 64-input chunk. Built and run on an AMX host by
+// activations laid out per 64-input chunk. Each kernel runs in 32-tile work items. Built and run on an AMX host by
 // benchmarks/amx_gemm_probe.sh; prints GMAC/s per variant, row count and thread count.
 #include <immintrin.h>
 
@@ -225,8 +225,8 @@ int main(int argc, char** argv) {
   const V variants[] = {
       {"vnni (production)", W4A8GemmAvx512Vnni},
       {"amx (production)", W4A8GemmAmx},
-      {"amx, 16-output loop (before)", AmxVariant<true, true, true, false>},
-      {"amx, 16-output loop, chunk-major A", AmxVariant<true, true, true, true>},
+      {"amx, the same loop here", AmxVariant<true, true, true, false>},
+      {"amx chunk-major A", AmxVariant<true, true, true, true>},
       {"amx no promote", AmxVariant<false, true, true, false>},
       {"amx no store+promote", AmxVariant<false, false, true, false>},
       {"amx no unpack", AmxVariant<true, true, false, false>},

@@ -193,7 +193,7 @@ def test_x86_paths_agree_with_portable(tmp_path):
                     reason="the x86 SIMD paths need an x86-64 host")
 @pytest.mark.skipif(_native_cxx() is None, reason="no C++ compiler")
 def test_amx_loops_equal_vnni_on_emulated_tiles(tmp_path):
-  """The AMX GEMM's loops (chunk-major gather, four-tile passes, 64-row panels, every TDPBSUD
+  """The AMX GEMM's loops (the 16-row gather, up to four C tiles per B load, every TDPBSUD
   width, tile and row remainders) on scalar stand-ins for the tile instructions
   (tests/native/amx_emulation.h), bit for bit against the VNNI path: the check the AMX host runs
   natively, here on any CPU with AVX-512 VNNI for the promotion's real vector code."""

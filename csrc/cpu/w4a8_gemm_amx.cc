@@ -4,16 +4,11 @@
 //
 // The packed layout needs no change: the low nibbles of one 64-byte block are
 // exactly one B row (16 outputs x inputs k0..k0+3) and its high nibbles the next
-// (k0+4..k0+7), so a group's blocks unpack into B rows in input order. Each group's
-// int32 sums are promoted to float32 in group order with the same fused
-// multiply-adds as the VNNI path, so both paths give identical bits. Few rows per
-// expert leave the tiles mostly empty: those GEMMs run on the VNNI code (kAmxMinRows).
-//
-// Loop order, for the caches: up to four output tiles (64 outputs) share each A tile
-// load, A is gathered chunk-major ([chunk][row][chunk inputs], one contiguous 1 KB
-// tile), and rows go in panels of 64 whose float accumulators (16 KB) stay in L1
-// across the groups. A 16-output-only loop re-read A from L2 for every TDPBSUD and
-// ran its tile products at under half the unit's rate (benchmarks/amx_gemm_probe.cc).
+// (k0+4..k0+7), so a group's blocks unpack into B rows in input order and A is the
+// activations as stored. Each group's int32 sums are promoted to float32 in
+// group order with the same fused multiply-adds as the VNNI path, so both paths
+// give identical bits. Few rows per expert leave the tiles mostly empty: those
+// GEMMs run on the VNNI code (kAmxMinRows).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,13 +20,11 @@
 namespace jax_moeq::cpu {
 namespace {
 
-constexpr int64_t kTileM = 16;        // activation rows per tile
-constexpr int64_t kChunkInputs = 64;  // most inputs per TDPBSUD (16 B rows of 4)
-constexpr int kMaxNTiles = 4;         // output tiles per pass: C tiles tmm0..3
-constexpr int64_t kPanelRows = 64;    // rows whose accumulators stay in L1 across the groups
+constexpr int64_t kTileM = 16;       // activation rows per tile
+constexpr int64_t kChunkInputs = 64; // most inputs per TDPBSUD (16 B rows of 4)
+constexpr int kRowTiles = 4;         // C tiles tmm0..3: up to 64 rows share one B tile load
 
-// tmm0-3: C (int32 sums) of one 16-row block against up to four output tiles;
-// tmm4: A; tmm5-7: B, in rotation so that a load need not wait for the previous product.
+// tmm0-3: C (int32 sums) of up to four 16-row blocks; tmm4: A; tmm6: B.
 struct alignas(64) TileConfig {
   uint8_t palette_id;
   uint8_t start_row;
@@ -44,75 +37,74 @@ void ConfigureTiles(int64_t chunk_inputs) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
-  for (int t = 0; t < kMaxNTiles; ++t) {
+  for (int t = 0; t < kRowTiles; ++t) {
     cfg.rows[t] = kTileM;
     cfg.colsb[t] = kTileRows * 4;
   }
   cfg.rows[4] = kTileM;
   cfg.colsb[4] = static_cast<uint16_t>(chunk_inputs);
-  for (int t = 5; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(chunk_inputs / 4);
-    cfg.colsb[t] = kTileRows * 4;
-  }
+  cfg.rows[6] = static_cast<uint8_t>(chunk_inputs / 4);
+  cfg.colsb[6] = kTileRows * 4;
   _tile_loadconfig(&cfg);
 }
 
 struct Buffers {
-  std::vector<int8_t> a;    // [k / chunk][m_pad][chunk]: the GEMM's rows, gathered, zero-padded
-  std::vector<uint8_t> b;   // [kMaxNTiles][group / 4][64]: one group's B rows per output tile
-  std::vector<float> acc;   // [m_pad][kMaxNTiles][16]
-  std::vector<int32_t> c;   // [kMaxNTiles][16][16]
+  std::vector<int8_t> a;       // [m_pad][k]: the GEMM's rows, gathered, zero-padded to 16
+  std::vector<uint8_t> b;      // one group's B rows: [group / 4][64]
+  std::vector<float> acc;      // [m_pad][16]
+  std::vector<int32_t> c;      // [kRowTiles][16][16]
 };
 
-// B tile `tb` from `b`, then C tile `tc` += A (tmm4) . B. A macro: the tile intrinsics take the
-// register numbers as literals.
-#define JAX_MOEQ_AMX_LOAD_DOT(tc, tb, b) \
-  do {                                   \
-    _tile_loadd(tb, (b), 64);            \
-    _tile_dpbsud(tc, 4, tb);             \
-  } while (0)
-
-// One 16-row block's int32 sums over one group against kNTiles output tiles, into c.
-template <int kNTiles>
-void BlockProducts(const int8_t* a, int64_t a_chunk_stride, int64_t chunk_inputs, int64_t chunks,
-                   const uint8_t* b, int64_t b_tile_stride, int32_t* c) {
-  _tile_zero(0);
-  if constexpr (kNTiles > 1) _tile_zero(1);
-  if constexpr (kNTiles > 2) _tile_zero(2);
-  if constexpr (kNTiles > 3) _tile_zero(3);
-  const int64_t b_chunk_bytes = chunk_inputs / 4 * 64;
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    _tile_loadd(4, a + ch * a_chunk_stride, chunk_inputs);
-    const uint8_t* bc = b + ch * b_chunk_bytes;
-    JAX_MOEQ_AMX_LOAD_DOT(0, 5, bc);
-    if constexpr (kNTiles > 1) JAX_MOEQ_AMX_LOAD_DOT(1, 6, bc + b_tile_stride);
-    if constexpr (kNTiles > 2) JAX_MOEQ_AMX_LOAD_DOT(2, 7, bc + 2 * b_tile_stride);
-    if constexpr (kNTiles > 3) JAX_MOEQ_AMX_LOAD_DOT(3, 5, bc + 3 * b_tile_stride);
+// One row block's int32 sums for group `gi` into acc: acc += float(sum - sum8) * scale.
+inline void PromoteGroup(const int32_t* c, const W4A8GemmArgs& a, int64_t row0, int64_t rows,
+                         int64_t gi, __m512 scale, float* acc) {
+  const int64_t groups = a.shape.groups();
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = a.rows[row0 + i];
+    const __m512i sums = _mm512_loadu_si512(c + i * kTileRows);
+    const __m512i centered = _mm512_sub_epi32(sums, _mm512_set1_epi32(a.act.sum8[row * groups + gi]));
+    float* dst = acc + (row0 + i) * kTileRows;
+    _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(centered), scale, _mm512_loadu_ps(dst)));
   }
-  constexpr int64_t kC = kTileM * kTileRows;  // int32 elements of one C tile
-  _tile_stored(0, c, 64);
-  if constexpr (kNTiles > 1) _tile_stored(1, c + kC, 64);
-  if constexpr (kNTiles > 2) _tile_stored(2, c + 2 * kC, 64);
-  if constexpr (kNTiles > 3) _tile_stored(3, c + 3 * kC, 64);
 }
 
-// acc[i][t] += float(c[t][i] - sum8[row i][gi]) * scale[t], rows row0..row0+rows-1.
-template <int kNTiles>
-void PromoteBlock(const int32_t* c, const W4A8GemmArgs& a, int64_t row0, int64_t rows,
-                  int64_t gi, const __m512* scale, float* acc) {
-  const int64_t groups = a.shape.groups();
-  constexpr int64_t kC = kTileM * kTileRows;
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512i sum8 = _mm512_set1_epi32(a.act.sum8[a.rows[row0 + i] * groups + gi]);
-    float* dst = acc + (row0 + i) * kMaxNTiles * kTileRows;
-    for (int t = 0; t < kNTiles; ++t) {
-      const __m512i centered =
-          _mm512_sub_epi32(_mm512_loadu_si512(c + t * kC + i * kTileRows), sum8);
-      _mm512_storeu_ps(dst + t * kTileRows,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(centered), scale[t],
-                                       _mm512_loadu_ps(dst + t * kTileRows)));
-    }
+// TDPBSUD of the A rows of kTiles 16-row blocks against the B tile in tmm6.
+template <int kTiles>
+inline void DotChunk(const int8_t* a_chunk, int64_t a_stride) {
+  _tile_loadd(4, a_chunk, a_stride);
+  _tile_dpbsud(0, 4, 6);
+  if constexpr (kTiles > 1) {
+    _tile_loadd(4, a_chunk + kTileM * a_stride, a_stride);
+    _tile_dpbsud(1, 4, 6);
   }
+  if constexpr (kTiles > 2) {
+    _tile_loadd(4, a_chunk + 2 * kTileM * a_stride, a_stride);
+    _tile_dpbsud(2, 4, 6);
+  }
+  if constexpr (kTiles > 3) {
+    _tile_loadd(4, a_chunk + 3 * kTileM * a_stride, a_stride);
+    _tile_dpbsud(3, 4, 6);
+  }
+}
+
+template <int kTiles>
+void GroupBlock(const W4A8GemmArgs& a, const Buffers& buf, int64_t row0, int64_t gi,
+                int64_t chunk_inputs, int32_t* c) {
+  const int64_t k = a.shape.k;
+  _tile_zero(0);
+  if constexpr (kTiles > 1) _tile_zero(1);
+  if constexpr (kTiles > 2) _tile_zero(2);
+  if constexpr (kTiles > 3) _tile_zero(3);
+  const int64_t chunks = a.shape.group / chunk_inputs;
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    _tile_loadd(6, buf.b.data() + ch * (chunk_inputs / 4) * 64, 64);
+    DotChunk<kTiles>(buf.a.data() + row0 * k + gi * a.shape.group + ch * chunk_inputs, k);
+  }
+  constexpr int64_t kCBytes = kTileM * kTileRows;  // int32 elements of one C tile
+  _tile_stored(0, c, 64);
+  if constexpr (kTiles > 1) _tile_stored(1, c + kCBytes, 64);
+  if constexpr (kTiles > 2) _tile_stored(2, c + 2 * kCBytes, 64);
+  if constexpr (kTiles > 3) _tile_stored(3, c + 3 * kCBytes, 64);
 }
 
 // The group's blocks as B rows: block kb's low nibbles are row 2 kb, its high nibbles 2 kb + 1.
@@ -126,93 +118,13 @@ inline void UnpackGroup(const uint8_t* p, int64_t blocks, uint8_t* b) {
   }
 }
 
-// Output tiles nt0..nt0+kNTiles-1 for every row.
-template <int kNTiles>
-void TilePass(const W4A8GemmArgs& a, Buffers& buf, int64_t nt0, int64_t m_pad,
-              int64_t chunk_inputs) {
-  const PackedGemmShape& s = a.shape;
-  const int64_t groups = s.groups();
-  const int64_t blocks_per_group = s.group / kBlockInputs;
-  const int64_t chunks = s.group / chunk_inputs;
-  const int64_t b_tile_stride = s.group / 4 * 64;
-  const int64_t a_chunk_stride = m_pad * chunk_inputs;
-  const uint8_t* tiles[kNTiles];
-  for (int t = 0; t < kNTiles; ++t) tiles[t] = a.weights + (nt0 + t) * s.tile_bytes();
-  std::memset(buf.acc.data(), 0, m_pad * kMaxNTiles * kTileRows * sizeof(float));
-  for (int64_t p0 = 0; p0 < m_pad; p0 += kPanelRows) {
-    const int64_t p1 = std::min(m_pad, p0 + kPanelRows);
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      __m512 scale[kNTiles];
-      for (int t = 0; t < kNTiles; ++t) {
-        const uint8_t* chunk = tiles[t] + gi * s.chunk_bytes();
-        if (p0 == 0) {  // the first panel streams the weights; later ones find them in L2
-          for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchL2Bytes + ahead),
-                         _MM_HINT_T1);
-          }
-        }
-        UnpackGroup(chunk, blocks_per_group, buf.b.data() + t * b_tile_stride);
-        scale[t] = _mm512_loadu_ps(chunk + blocks_per_group * kBlockBytes);
-      }
-      const int8_t* a_group = buf.a.data() + gi * chunks * a_chunk_stride;
-      for (int64_t row0 = p0; row0 < p1; row0 += kTileM) {
-        BlockProducts<kNTiles>(a_group + row0 * chunk_inputs, a_chunk_stride, chunk_inputs, chunks,
-                               buf.b.data(), b_tile_stride, buf.c.data());
-        const int64_t rows = std::min<int64_t>(kTileM, a.m - row0);
-        if (rows > 0) PromoteBlock<kNTiles>(buf.c.data(), a, row0, rows, gi, scale, buf.acc.data());
-      }
-    }
-  }
-  const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
-  const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
-  for (int t = 0; t < kNTiles; ++t) {
-    const int64_t nt = nt0 + t;
-    const __m512 corr = _mm512_loadu_ps(row_corr + nt * kTileRows);
-    const __m512 b = _mm512_loadu_ps(bias + nt * kTileRows);
-    for (int64_t i = 0; i < a.m; ++i) {
-      const int64_t row = a.rows[i];
-      const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
-      const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
-      const __m512 acc = _mm512_loadu_ps(buf.acc.data() + (i * kMaxNTiles + t) * kTileRows);
-      const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, acc), xs, b);
-      _mm512_storeu_ps(a.out + i * s.n + nt * kTileRows, y);
-    }
-  }
-}
-
-#undef JAX_MOEQ_AMX_LOAD_DOT
-
-// The GEMM's rows chunk-major: chunk kc of row i at (kc * m_pad + i) * chunk_inputs, rows from
-// a.m to m_pad zero. Every work item gathers its own copy, so the 64-input case (every group
-// size from 64 up) moves whole registers rather than calling memcpy per chunk.
-void GatherChunkMajor(const W4A8GemmArgs& a, int64_t m_pad, int64_t chunk_inputs, int8_t* out) {
-  const int64_t k = a.shape.k;
-  const int64_t k_chunks = k / chunk_inputs;
-  for (int64_t i = 0; i < m_pad; ++i) {
-    int8_t* dst = out + i * chunk_inputs;
-    const int64_t dst_stride = m_pad * chunk_inputs;
-    if (i >= a.m) {
-      for (int64_t kc = 0; kc < k_chunks; ++kc) std::memset(dst + kc * dst_stride, 0, chunk_inputs);
-      continue;
-    }
-    const int8_t* src = a.act.values + a.rows[i] * k;
-    if (chunk_inputs == 64) {
-      for (int64_t kc = 0; kc < k_chunks; ++kc) {
-        _mm512_storeu_si512(dst + kc * dst_stride, _mm512_loadu_si512(src + kc * 64));
-      }
-    } else {
-      for (int64_t kc = 0; kc < k_chunks; ++kc) {
-        std::memcpy(dst + kc * dst_stride, src + kc * chunk_inputs, chunk_inputs);
-      }
-    }
-  }
-}
-
 }  // namespace
 
 void W4A8GemmAmx(const W4A8GemmArgs& a) {
   if (a.m < kAmxMinRows) return W4A8GemmAvx512Vnni(a);
   const PackedGemmShape& s = a.shape;
+  const int64_t groups = s.groups();
+  const int64_t blocks_per_group = s.group / kBlockInputs;
   // TDPBSUD takes at most 64 inputs: the largest of 64, 32, 16 dividing the group (a
   // channel-wise group is K, a multiple of 16).
   const int64_t chunk_inputs = s.group % kChunkInputs == 0 ? kChunkInputs
@@ -222,25 +134,50 @@ void W4A8GemmAmx(const W4A8GemmArgs& a) {
 
   static thread_local Buffers buf;
   if (static_cast<int64_t>(buf.a.size()) < m_pad * s.k) buf.a.resize(m_pad * s.k);
-  if (static_cast<int64_t>(buf.b.size()) < kMaxNTiles * s.group * kTileRows) {
-    buf.b.resize(kMaxNTiles * s.group * kTileRows);
+  if (static_cast<int64_t>(buf.b.size()) < s.group * kTileRows) buf.b.resize(s.group * kTileRows);
+  if (static_cast<int64_t>(buf.acc.size()) < m_pad * kTileRows) buf.acc.resize(m_pad * kTileRows);
+  if (static_cast<int64_t>(buf.c.size()) < kRowTiles * kTileM * kTileRows) {
+    buf.c.resize(kRowTiles * kTileM * kTileRows);
   }
-  if (static_cast<int64_t>(buf.acc.size()) < m_pad * kMaxNTiles * kTileRows) {
-    buf.acc.resize(m_pad * kMaxNTiles * kTileRows);
+  for (int64_t i = 0; i < a.m; ++i) {
+    std::memcpy(buf.a.data() + i * s.k, a.act.values + a.rows[i] * s.k, s.k);
   }
-  if (static_cast<int64_t>(buf.c.size()) < kMaxNTiles * kTileM * kTileRows) {
-    buf.c.resize(kMaxNTiles * kTileM * kTileRows);
-  }
-  GatherChunkMajor(a, m_pad, chunk_inputs, buf.a.data());
+  std::memset(buf.a.data() + a.m * s.k, 0, (m_pad - a.m) * s.k);
 
   ConfigureTiles(chunk_inputs);
-  int64_t nt = a.tile_begin;
-  for (; nt + kMaxNTiles <= a.tile_end; nt += kMaxNTiles) TilePass<4>(a, buf, nt, m_pad, chunk_inputs);
-  switch (a.tile_end - nt) {
-    case 3: TilePass<3>(a, buf, nt, m_pad, chunk_inputs); break;
-    case 2: TilePass<2>(a, buf, nt, m_pad, chunk_inputs); break;
-    case 1: TilePass<1>(a, buf, nt, m_pad, chunk_inputs); break;
-    default: break;
+  const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
+  const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
+  for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
+    const uint8_t* p = a.weights + nt * s.tile_bytes();
+    std::memset(buf.acc.data(), 0, m_pad * kTileRows * sizeof(float));
+    for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
+      for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2Bytes + ahead), _MM_HINT_T1);
+      }
+      UnpackGroup(p, blocks_per_group, buf.b.data());
+      const __m512 scale = _mm512_loadu_ps(p + blocks_per_group * kBlockBytes);
+      for (int64_t row0 = 0; row0 < m_pad; row0 += kRowTiles * kTileM) {
+        const int64_t tiles = std::min<int64_t>(kRowTiles, (m_pad - row0) / kTileM);
+        switch (tiles) {
+          case 4: GroupBlock<4>(a, buf, row0, gi, chunk_inputs, buf.c.data()); break;
+          case 3: GroupBlock<3>(a, buf, row0, gi, chunk_inputs, buf.c.data()); break;
+          case 2: GroupBlock<2>(a, buf, row0, gi, chunk_inputs, buf.c.data()); break;
+          default: GroupBlock<1>(a, buf, row0, gi, chunk_inputs, buf.c.data()); break;
+        }
+        const int64_t rows = std::min<int64_t>(tiles * kTileM, a.m - row0);
+        PromoteGroup(buf.c.data(), a, row0, rows, gi, scale, buf.acc.data());
+      }
+    }
+    const __m512 corr = _mm512_loadu_ps(row_corr + nt * kTileRows);
+    const __m512 b = _mm512_loadu_ps(bias + nt * kTileRows);
+    for (int64_t i = 0; i < a.m; ++i) {
+      const int64_t row = a.rows[i];
+      const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
+      const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
+      const __m512 acc = _mm512_loadu_ps(buf.acc.data() + i * kTileRows);
+      const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, acc), xs, b);
+      _mm512_storeu_ps(a.out + i * s.n + nt * kTileRows, y);
+    }
   }
   _tile_release();
 }

@@ -481,7 +481,7 @@ void CheckMoe(const std::vector<Isa>& isas, std::vector<Tally>& tallies) {
 #if defined(JAX_MOEQ_X86)
 // AMX-INT8 against AVX-512 VNNI, bit for bit (both promote each group's exact int32 sums with
 // the same FMAs), at row counts that fill its 16-row tiles: one block, a partial one, four at
-// once, more than one 64-row panel (m >= kAmxMinRows; fewer rows run the VNNI code itself). Group sizes take each
+// once and more (m >= kAmxMinRows; fewer rows run the VNNI code itself). Group sizes take each
 // TDPBSUD width: 32, 64, 128, and channel-wise K = 48 (16-input chunks), 80, 96 (32), 512 (64).
 // The NaN-scale row stays NaN on both.
 int64_t CheckAmxAgainstVnni() {
