@@ -1,12 +1,14 @@
 // Validation helpers shared by the CUDA FFI handlers: errors prefixed with the target's name,
-// shape / dtype / scratch-size checks of buffers, and the int range check of attributes that the
-// launchers narrow to int. Handlers only (XLA types); csrc/ never sees them.
+// shape / dtype / scratch-size checks of buffers, the int range check of attributes that the
+// launchers narrow to int, the MoE's token rows and router outputs, and csrc/cuda's error strings
+// as FFI errors. Handlers only (XLA types); csrc/ never sees them.
 #pragma once
 
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -53,6 +55,14 @@ class TargetChecks {
     return ffi::Error::Internal(std::string(target_) + ": " + message);
   }
 
+  // An error string of csrc/cuda's validators and launchers (empty: none) as an FFI error.
+  ffi::Error InvalidUnlessEmpty(const std::string& error) const {
+    return error.empty() ? ffi::Error::Success() : Invalid(error);
+  }
+  ffi::Error InternalUnlessEmpty(const std::string& error) const {
+    return error.empty() ? ffi::Error::Success() : Internal(error);
+  }
+
   // `name` has exactly the shape `want`.
   ffi::Error Shape(const char* name, const ffi::AnyBuffer& buffer,
                    std::initializer_list<int64_t> want) const {
@@ -85,6 +95,38 @@ class TargetChecks {
   ffi::Error IntAttr(const char* name, int64_t value) const {
     if (FitsInt(value)) return ffi::Error::Success();
     return Invalid(std::string(name) + " " + std::to_string(value) + " is out of range");
+  }
+
+  // IntAttr of each (name, value), in order: the first out of range is reported.
+  ffi::Error IntAttrs(std::initializer_list<std::pair<const char*, int64_t>> attrs) const {
+    for (const auto& [name, value] : attrs) {
+      if (ffi::Error e = IntAttr(name, value); e.failure()) return e;
+    }
+    return ffi::Error::Success();
+  }
+
+  // x is [tokens, hidden]; sets *tokens.
+  ffi::Error TokenRows(const ffi::AnyBuffer& x, int64_t hidden, int64_t* tokens) const {
+    const auto xd = x.dimensions();
+    if (xd.size() != 2 || xd[1] != hidden) {
+      return Invalid("x must be [tokens, hidden], got " + Dims(xd));
+    }
+    *tokens = xd[0];
+    return ffi::Error::Success();
+  }
+
+  // The router's outputs: topk_ids int32 [tokens, top_k], topk_weights float32 of that shape;
+  // sets *top_k.
+  ffi::Error TopK(const ffi::AnyBuffer& topk_ids, const ffi::AnyBuffer& topk_weights,
+                  int64_t tokens, int64_t* top_k) const {
+    if (topk_ids.element_type() != ffi::S32) return Invalid("topk_ids must be int32");
+    if (topk_weights.element_type() != ffi::F32) return Invalid("topk_weights must be float32");
+    const auto id = topk_ids.dimensions();
+    if (id.size() != 2 || id[0] != tokens) {
+      return Invalid("topk_ids must be [tokens, top_k], got " + Dims(id));
+    }
+    *top_k = id[1];
+    return Shape("topk_weights", topk_weights, {tokens, *top_k});
   }
 
  private:

@@ -7,6 +7,7 @@
 
 #include "cuda/mxint4_moe.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handler_binding.h"
 #include "xla_ffi/cuda_handler_checks.h"
 
 namespace ffi = xla::ffi;
@@ -24,11 +25,9 @@ ffi::Error DecodeRouting(const TargetChecks& checks, ffi::AnyBuffer logits, ffi:
                          float routed_scaling_factor, bool has_bias, cuda::MxInt4MoeProblem* p) {
   // Attributes narrowed to int below: out of int32 they are refused, not wrapped
   // (routing_method 2^32 + 2 would otherwise pass as 2).
-  for (const auto& [name, value] :
-       {std::pair<const char*, int64_t>{"routing_method", routing_method},
-        {"num_expert_group", num_expert_group}, {"topk_group", topk_group}}) {
-    JAX_MOEQ_RETURN_IF_ERROR(checks.IntAttr(name, value));
-  }
+  JAX_MOEQ_RETURN_IF_ERROR(checks.IntAttrs({{"routing_method", routing_method},
+                                            {"num_expert_group", num_expert_group},
+                                            {"topk_group", topk_group}}));
   const auto ld = logits.dimensions();
   if (ld.size() != 2) {
     return checks.Invalid("router_logits must be [tokens, num_experts], got " + Dims(ld));
@@ -71,11 +70,8 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
                          float routed_scaling_factor, bool has_bias, int64_t block_m,
                          int64_t split13, int64_t split2, int64_t mainloop, bool one_token,
                          bool fused_decode) {
-  for (const auto& [name, value] :
-       {std::pair<const char*, int64_t>{"block_m", block_m}, {"split13", split13},
-        {"split2", split2}, {"mainloop", mainloop}}) {
-    JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr(name, value));
-  }
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttrs(
+      {{"block_m", block_m}, {"split13", split13}, {"split2", split2}, {"mainloop", mainloop}}));
   cuda::MxInt4MoeProblem p;
   JAX_MOEQ_RETURN_IF_ERROR(DecodeRouting(kChecks, logits, bias, top_k, local_expert_offset,
                                          routing_method, num_expert_group, topk_group,
@@ -99,8 +95,7 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   p.mainloop = static_cast<int>(mainloop);
   p.one_token = one_token;
   p.fused_decode = fused_decode;
-  std::string err = cuda::ValidateMxInt4MoeProblem(p);
-  if (!err.empty()) return kChecks.Invalid(err);
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.InvalidUnlessEmpty(cuda::ValidateMxInt4MoeProblem(p)));
 
   const int64_t L = p.local_experts, H = p.hidden, I = p.intermediate, T = p.tokens;
   const int64_t K = p.top_k;
@@ -148,9 +143,7 @@ ffi::Error MxInt4MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer l
   p.ws13 = static_cast<float*>(ws13->untyped_data());
   p.ws2 = static_cast<float*>(ws2->untyped_data());
   p.x_perm = x_perm->untyped_data();
-  err = cuda::RunMxInt4Moe(p, stream);
-  if (!err.empty()) return kChecks.Internal(err);
-  return ffi::Error::Success();
+  return kChecks.InternalUnlessEmpty(cuda::RunMxInt4Moe(p, stream));
 }
 
 // The routing alone: router logits -> topk_ids (global), topk_weights, and local_ids (ids of
@@ -168,8 +161,7 @@ ffi::Error MxInt4RoutingImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::An
                                          topk_group, routed_scaling_factor, has_bias, &p));
   p.tokens = logits.dimensions()[0];
   p.local_experts = local_num_experts;
-  std::string err = cuda::ValidateMxInt4Routing(p);
-  if (!err.empty()) return kRoutingChecks.Invalid(err);
+  JAX_MOEQ_RETURN_IF_ERROR(kRoutingChecks.InvalidUnlessEmpty(cuda::ValidateMxInt4Routing(p)));
   const int64_t T = p.tokens, K = p.top_k;
   JAX_MOEQ_RETURN_IF_ERROR(
       kRoutingChecks.Buffer("topk_ids", *topk_ids, ffi::S32, "int32", {T, K}));
@@ -180,58 +172,18 @@ ffi::Error MxInt4RoutingImpl(cudaStream_t stream, ffi::AnyBuffer logits, ffi::An
   p.topk_ids = static_cast<int32_t*>(topk_ids->untyped_data());
   p.topk_weights = static_cast<float*>(topk_weights->untyped_data());
   p.local_ids = static_cast<int32_t*>(local_ids->untyped_data());
-  err = cuda::RunMxInt4Routing(p, stream);
-  if (!err.empty()) return kRoutingChecks.Internal(err);
-  return ffi::Error::Success();
+  return kRoutingChecks.InternalUnlessEmpty(cuda::RunMxInt4Routing(p, stream));
 }
 
-// Same, with the output aliased to an extra input (tests poison it).
-ffi::Error MxInt4MoeIntoImpl(
-    cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer logits, ffi::AnyBuffer bias,
-    ffi::AnyBuffer w13, ffi::AnyBuffer s13, ffi::AnyBuffer w2, ffi::AnyBuffer s2,
-    ffi::AnyBuffer /*aliased out*/, ffi::Result<ffi::AnyBuffer> out,
-    ffi::Result<ffi::AnyBuffer> topk_ids, ffi::Result<ffi::AnyBuffer> topk_weights,
-    ffi::Result<ffi::AnyBuffer> local_ids, ffi::Result<ffi::AnyBuffer> sorted_ids,
-    ffi::Result<ffi::AnyBuffer> expert_ids, ffi::Result<ffi::AnyBuffer> num_post_padded,
-    ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> ws13,
-    ffi::Result<ffi::AnyBuffer> ws2, ffi::Result<ffi::AnyBuffer> x_perm, int64_t top_k,
-    int64_t intermediate_size, int64_t local_expert_offset, int64_t routing_method,
-    int64_t num_expert_group, int64_t topk_group, float routed_scaling_factor, bool has_bias,
-    int64_t block_m, int64_t split13, int64_t split2, int64_t mainloop, bool one_token,
-    bool fused_decode) {
-  return MxInt4MoeImpl(stream, x, logits, bias, w13, s13, w2, s2, out, topk_ids, topk_weights,
-                       local_ids, sorted_ids, expert_ids, num_post_padded, act, ws13, ws2, x_perm,
-                       top_k, intermediate_size, local_expert_offset, routing_method,
-                       num_expert_group, topk_group, routed_scaling_factor, has_bias, block_m,
-                       split13, split2, mainloop, one_token, fused_decode);
-}
-
-auto BindArgs() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::AnyBuffer>()   // x
-      .Arg<ffi::AnyBuffer>()   // router_logits
-      .Arg<ffi::AnyBuffer>()   // e_score_correction_bias (or placeholder)
-      .Arg<ffi::AnyBuffer>()   // w13
-      .Arg<ffi::AnyBuffer>()   // w13_scale
-      .Arg<ffi::AnyBuffer>()   // w2
-      .Arg<ffi::AnyBuffer>();  // w2_scale
-}
+// The inputs of the plain handler and of its "_into" twin, in order: x, router_logits,
+// e_score_correction_bias (or placeholder); w13, w13_scale; w2, w2_scale.
+auto BindArgs() { return AddInputs<7>(BindStream()); }
 
 template <typename Binding>
 auto BindResultsAndAttrs(Binding binding) {
-  return std::move(binding)
-      .template Ret<ffi::AnyBuffer>()  // out
-      .template Ret<ffi::AnyBuffer>()  // topk_ids
-      .template Ret<ffi::AnyBuffer>()  // topk_weights
-      .template Ret<ffi::AnyBuffer>()  // local_ids
-      .template Ret<ffi::AnyBuffer>()  // sorted_ids
-      .template Ret<ffi::AnyBuffer>()  // expert_ids
-      .template Ret<ffi::AnyBuffer>()  // num_post_padded
-      .template Ret<ffi::AnyBuffer>()  // act
-      .template Ret<ffi::AnyBuffer>()  // ws13
-      .template Ret<ffi::AnyBuffer>()  // ws2
-      .template Ret<ffi::AnyBuffer>()  // x_perm (block_m 128)
+  // Results, in order: out, topk_ids, topk_weights, local_ids, sorted_ids, expert_ids,
+  // num_post_padded, act, ws13, ws2, x_perm (block_m 128).
+  return AddResults<11>(std::move(binding))
       .template Attr<int64_t>("top_k")
       .template Attr<int64_t>("intermediate_size")
       .template Attr<int64_t>("local_expert_offset")
@@ -251,19 +203,13 @@ auto BindResultsAndAttrs(Binding binding) {
 }  // namespace
 }  // namespace jax_moeq::ffi_cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqMxInt4MoeCuda, jax_moeq::ffi_cuda::MxInt4MoeImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()),
-    {ffi::Traits::kCmdBufferCompatible});  // stream-ordered, no host sync: graph-capturable
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqMxInt4MoeCudaInto, jax_moeq::ffi_cuda::MxInt4MoeIntoImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(
-        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()),
-    {ffi::Traits::kCmdBufferCompatible});
+JAX_MOEQ_DEFINE_CUDA_HANDLER_PAIR(JaxMoeqMxInt4MoeCuda, JaxMoeqMxInt4MoeCudaInto,
+                                  jax_moeq::ffi_cuda::MxInt4MoeImpl,
+                                  jax_moeq::ffi_cuda::BindArgs,
+                                  jax_moeq::ffi_cuda::BindResultsAndAttrs);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMoeqMxInt4RoutingCuda, jax_moeq::ffi_cuda::MxInt4RoutingImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+    jax_moeq::ffi_cuda::BindStream()
         .Arg<ffi::AnyBuffer>()  // router_logits
         .Arg<ffi::AnyBuffer>()  // e_score_correction_bias (or placeholder)
         .Ret<ffi::AnyBuffer>()  // topk_ids

@@ -7,6 +7,7 @@
 
 #include "cuda/w4a8_moe.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handler_binding.h"
 #include "xla_ffi/cuda_handler_checks.h"
 
 namespace ffi = xla::ffi;
@@ -44,23 +45,9 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   if (!DtypeOf(x.element_type(), &p.dtype)) {
     return kMoeChecks.Invalid("x must be float32, bfloat16 or float16");
   }
-  const auto xd = x.dimensions();
   const int64_t H = hidden_size, I = intermediate_size;
-  if (xd.size() != 2 || xd[1] != H) {
-    return kMoeChecks.Invalid("x must be [tokens, hidden], got " + Dims(xd));
-  }
-  p.tokens = xd[0];
-  if (topk_ids.element_type() != ffi::S32) return kMoeChecks.Invalid("topk_ids must be int32");
-  if (topk_weights.element_type() != ffi::F32) {
-    return kMoeChecks.Invalid("topk_weights must be float32");
-  }
-  const auto id = topk_ids.dimensions();
-  if (id.size() != 2 || id[0] != p.tokens) {
-    return kMoeChecks.Invalid("topk_ids must be [tokens, top_k], got " + Dims(id));
-  }
-  p.top_k = id[1];
-  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.Buffer("topk_weights", topk_weights, ffi::F32, "float32",
-                                             {p.tokens, p.top_k}));
+  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.TokenRows(x, H, &p.tokens));
+  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.TopK(topk_ids, topk_weights, p.tokens, &p.top_k));
   const auto w13d = w13.dimensions();
   if (w13d.size() != 5) {
     return kMoeChecks.Invalid("w13 must be packed [E, 2I/16, H/128, 32, 8] uint32");
@@ -73,8 +60,7 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.activation = static_cast<int>(activation_kind);
   p.has_bias = has_bias;
   p.weight_on_input = apply_router_weight_on_input;
-  std::string err = cuda::ValidateW4a8MoeProblem(p);
-  if (!err.empty()) return kMoeChecks.Invalid(err);
+  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.InvalidUnlessEmpty(cuda::ValidateW4a8MoeProblem(p)));
   const int64_t E = p.experts;
   JAX_MOEQ_RETURN_IF_ERROR(
       kMoeChecks.Buffer("w13", w13, ffi::U32, "uint32", {E, 2 * I / 16, H / 128, 32, 8}));
@@ -144,27 +130,7 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.qact = static_cast<int8_t*>(qact->untyped_data());
   p.act_params = static_cast<float*>(act_params->untyped_data());
   p.ws2 = ws2->untyped_data();
-  err = cuda::RunW4a8Moe(p, stream);
-  if (!err.empty()) return kMoeChecks.Internal(err);
-  return ffi::Error::Success();
-}
-
-ffi::Error W4a8MoeIntoImpl(
-    cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer topk_ids, ffi::AnyBuffer topk_weights,
-    ffi::AnyBuffer w13, ffi::AnyBuffer s13, ffi::AnyBuffer rc13, ffi::AnyBuffer b13,
-    ffi::AnyBuffer w2, ffi::AnyBuffer s2, ffi::AnyBuffer rc2, ffi::AnyBuffer b2,
-    ffi::AnyBuffer /*aliased out*/, ffi::Result<ffi::AnyBuffer> out,
-    ffi::Result<ffi::AnyBuffer> sorted_ids, ffi::Result<ffi::AnyBuffer> expert_ids,
-    ffi::Result<ffi::AnyBuffer> num_post_padded, ffi::Result<ffi::AnyBuffer> qx,
-    ffi::Result<ffi::AnyBuffer> x_params, ffi::Result<ffi::AnyBuffer> act,
-    ffi::Result<ffi::AnyBuffer> qact, ffi::Result<ffi::AnyBuffer> act_params,
-    ffi::Result<ffi::AnyBuffer> ws2, int64_t hidden_size, int64_t intermediate_size,
-    int64_t groups13, int64_t groups2, int64_t activation_kind, bool has_bias,
-    bool apply_router_weight_on_input) {
-  return W4a8MoeImpl(stream, x, topk_ids, topk_weights, w13, s13, rc13, b13, w2, s2, rc2, b2, out,
-                     sorted_ids, expert_ids, num_post_padded, qx, x_params, act, qact, act_params,
-                     ws2, hidden_size, intermediate_size, groups13, groups2, activation_kind,
-                     has_bias, apply_router_weight_on_input);
+  return kMoeChecks.InternalUnlessEmpty(cuda::RunW4a8Moe(p, stream));
 }
 
 ffi::Error W4a8QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
@@ -186,44 +152,20 @@ ffi::Error W4a8QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x,
       static_cast<int64_t>(params->element_count()) != rows * 2) {
     return kQuantChecks.Invalid("params must be float32 [rows, 2]");
   }
-  const std::string err = cuda::RunW4a8QuantizeRows(
+  return kQuantChecks.InvalidUnlessEmpty(cuda::RunW4a8QuantizeRows(
       dtype, x.untyped_data(), rows, cols, static_cast<int8_t*>(q->untyped_data()),
-      static_cast<float*>(params->untyped_data()), stream);
-  if (!err.empty()) return kQuantChecks.Invalid(err);
-  return ffi::Error::Success();
+      static_cast<float*>(params->untyped_data()), stream));
 }
 
-// Argument list shared by the plain handler and the one whose output is aliased to an extra
-// input (tests poison that input to prove full writes).
-auto BindArgs() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::AnyBuffer>()   // x
-      .Arg<ffi::AnyBuffer>()   // topk_ids
-      .Arg<ffi::AnyBuffer>()   // topk_weights
-      .Arg<ffi::AnyBuffer>()   // w13
-      .Arg<ffi::AnyBuffer>()   // w13_scales
-      .Arg<ffi::AnyBuffer>()   // w13_row_corr
-      .Arg<ffi::AnyBuffer>()   // w13_bias
-      .Arg<ffi::AnyBuffer>()   // w2
-      .Arg<ffi::AnyBuffer>()   // w2_scales
-      .Arg<ffi::AnyBuffer>()   // w2_row_corr
-      .Arg<ffi::AnyBuffer>();  // w2_bias
-}
+// The inputs of the plain handler and of its "_into" twin, in order: x, topk_ids, topk_weights;
+// w13, w13_scales, w13_row_corr, w13_bias; w2, w2_scales, w2_row_corr, w2_bias.
+auto BindArgs() { return AddInputs<11>(BindStream()); }
 
 template <typename Binding>
 auto BindResultsAndAttrs(Binding binding) {
-  return std::move(binding)
-      .template Ret<ffi::AnyBuffer>()  // out
-      .template Ret<ffi::AnyBuffer>()  // sorted_ids
-      .template Ret<ffi::AnyBuffer>()  // expert_ids
-      .template Ret<ffi::AnyBuffer>()  // num_post_padded
-      .template Ret<ffi::AnyBuffer>()  // qx
-      .template Ret<ffi::AnyBuffer>()  // x_params
-      .template Ret<ffi::AnyBuffer>()  // act
-      .template Ret<ffi::AnyBuffer>()  // qact
-      .template Ret<ffi::AnyBuffer>()  // act_params
-      .template Ret<ffi::AnyBuffer>()  // ws2
+  // Results, in order: out, sorted_ids, expert_ids, num_post_padded, qx, x_params, act, qact,
+  // act_params, ws2.
+  return AddResults<10>(std::move(binding))
       .template Attr<int64_t>("hidden_size")
       .template Attr<int64_t>("intermediate_size")
       .template Attr<int64_t>("groups13")
@@ -236,19 +178,13 @@ auto BindResultsAndAttrs(Binding binding) {
 }  // namespace
 }  // namespace jax_moeq::ffi_cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqW4a8MoeCuda, jax_moeq::ffi_cuda::W4a8MoeImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()),
-    {ffi::Traits::kCmdBufferCompatible});  // stream-ordered, no host sync: graph-capturable
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqW4a8MoeCudaInto, jax_moeq::ffi_cuda::W4a8MoeIntoImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(
-        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()),
-    {ffi::Traits::kCmdBufferCompatible});
+JAX_MOEQ_DEFINE_CUDA_HANDLER_PAIR(JaxMoeqW4a8MoeCuda, JaxMoeqW4a8MoeCudaInto,
+                                  jax_moeq::ffi_cuda::W4a8MoeImpl,
+                                  jax_moeq::ffi_cuda::BindArgs,
+                                  jax_moeq::ffi_cuda::BindResultsAndAttrs);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeqW4a8QuantizeRowsCuda,
                               jax_moeq::ffi_cuda::W4a8QuantizeRowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                              jax_moeq::ffi_cuda::BindStream()
                                   .Arg<ffi::AnyBuffer>()   // x
                                   .Ret<ffi::AnyBuffer>()   // q
                                   .Ret<ffi::AnyBuffer>(),  // params

@@ -7,6 +7,7 @@
 
 #include "cuda/wna16_linear.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handler_binding.h"
 #include "xla_ffi/cuda_handler_checks.h"
 
 namespace ffi = xla::ffi;
@@ -23,9 +24,8 @@ ffi::Error Wna16LinearImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            int64_t in_features, int64_t out_features, int64_t groups,
                            int64_t block_m, int64_t split, int64_t mainloop, bool has_zeros,
                            bool has_bias, bool act_order) {
-  JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr("block_m", block_m));
-  JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr("split", split));
-  JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr("mainloop", mainloop));
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kChecks.IntAttrs({{"block_m", block_m}, {"split", split}, {"mainloop", mainloop}}));
   cuda::Wna16LinearProblem p;
   const char* dtype_name = nullptr;
   switch (x.element_type()) {
@@ -48,9 +48,7 @@ ffi::Error Wna16LinearImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   p.has_zeros = has_zeros;
   p.has_bias = has_bias;
   p.act_order = act_order;
-  if (std::string err = cuda::ValidateWna16LinearProblem(p); !err.empty()) {
-    return kChecks.Invalid(err);
-  }
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.InvalidUnlessEmpty(cuda::ValidateWna16LinearProblem(p)));
 
   const int64_t N = out_features, K = in_features, M = p.rows;
   const ffi::DataType dt = x.element_type();
@@ -76,31 +74,18 @@ ffi::Error Wna16LinearImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   p.out = out->untyped_data();
   p.x_perm = x_perm->untyped_data();
   p.ws = static_cast<float*>(ws->untyped_data());
-  if (std::string err = cuda::RunWna16Linear(p, stream); !err.empty()) {
-    return kChecks.Internal(err);
-  }
-  return ffi::Error::Success();
+  return kChecks.InternalUnlessEmpty(cuda::RunWna16Linear(p, stream));
 }
 
-// Argument list shared by the plain handler and the one whose output is aliased to an extra
-// input (tests poison that input to prove full writes).
-auto BindArgs() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::AnyBuffer>()   // x [M, K]
-      .Arg<ffi::AnyBuffer>()   // weights [N/16, K/64, 32, 4] uint32
-      .Arg<ffi::AnyBuffer>()   // scales [G, N/16, 16]
-      .Arg<ffi::AnyBuffer>()   // zeros (has_zeros) | placeholder
-      .Arg<ffi::AnyBuffer>()   // bias [N] f32 (has_bias) | placeholder
-      .Arg<ffi::AnyBuffer>();  // perm [K] int32 (act_order) | placeholder
-}
+// The inputs of the plain handler and of its "_into" twin, in order: x [M, K];
+// weights [N/16, K/64, 32, 4] uint32; scales [G, N/16, 16]; zeros (has_zeros) | placeholder;
+// bias [N] f32 (has_bias) | placeholder; perm [K] int32 (act_order) | placeholder.
+auto BindArgs() { return AddInputs<6>(BindStream()); }
 
 template <typename Binding>
 auto BindResultsAndAttrs(Binding binding) {
-  return std::move(binding)
-      .template Ret<ffi::AnyBuffer>()  // out [M, N]
-      .template Ret<ffi::AnyBuffer>()  // x_perm
-      .template Ret<ffi::AnyBuffer>()  // ws
+  // Results, in order: out [M, N], x_perm, ws.
+  return AddResults<3>(std::move(binding))
       .template Attr<int64_t>("in_features")
       .template Attr<int64_t>("out_features")
       .template Attr<int64_t>("groups")
@@ -112,28 +97,10 @@ auto BindResultsAndAttrs(Binding binding) {
       .template Attr<bool>("act_order");
 }
 
-ffi::Error Wna16LinearIntoImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                               ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::AnyBuffer bias,
-                               ffi::AnyBuffer perm, ffi::AnyBuffer /*aliased out*/,
-                               ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> x_perm,
-                               ffi::Result<ffi::AnyBuffer> ws, int64_t in_features,
-                               int64_t out_features, int64_t groups, int64_t block_m,
-                               int64_t split, int64_t mainloop, bool has_zeros, bool has_bias,
-                               bool act_order) {
-  return Wna16LinearImpl(stream, x, w, scales, zeros, bias, perm, out, x_perm, ws, in_features,
-                         out_features, groups, block_m, split, mainloop, has_zeros, has_bias,
-                         act_order);
-}
-
 }  // namespace
 }  // namespace jax_moeq::ffi_cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqWna16LinearCuda, jax_moeq::ffi_cuda::Wna16LinearImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()),
-    {ffi::Traits::kCmdBufferCompatible});  // stream-ordered, no host sync: graph-capturable
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqWna16LinearCudaInto, jax_moeq::ffi_cuda::Wna16LinearIntoImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()),
-    {ffi::Traits::kCmdBufferCompatible});
+JAX_MOEQ_DEFINE_CUDA_HANDLER_PAIR(JaxMoeqWna16LinearCuda, JaxMoeqWna16LinearCudaInto,
+                                  jax_moeq::ffi_cuda::Wna16LinearImpl,
+                                  jax_moeq::ffi_cuda::BindArgs,
+                                  jax_moeq::ffi_cuda::BindResultsAndAttrs);

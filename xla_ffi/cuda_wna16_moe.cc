@@ -7,6 +7,7 @@
 
 #include "cuda/wna16_moe.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handler_binding.h"
 #include "xla_ffi/cuda_handler_checks.h"
 
 namespace ffi = xla::ffi;
@@ -32,11 +33,11 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
                         bool act_order, int64_t mainloop, bool one_token, bool fused_decode) {
   // Attributes narrowed to int below: out of int32 they are refused, not wrapped (block_m
   // 2^32 + 8 would otherwise pass as 8).
-  for (const auto& [name, value] :
-       {std::pair<const char*, int64_t>{"block_m", block_m}, {"split13", split13},
-        {"split2", split2}, {"activation_kind", activation_kind}, {"mainloop", mainloop}}) {
-    JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttr(name, value));
-  }
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.IntAttrs({{"block_m", block_m},
+                                             {"split13", split13},
+                                             {"split2", split2},
+                                             {"activation_kind", activation_kind},
+                                             {"mainloop", mainloop}}));
   cuda::Wna16MoeProblem p;
   switch (x.element_type()) {
     case ffi::BF16: p.dtype = cuda::HalfKind::kBF16; break;
@@ -75,23 +76,10 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
     }
     JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("expert_num_tokens", route_ids, {E}));
   } else {
-    if (xd.size() != 2 || xd[1] != H) {
-      return kChecks.Invalid("x must be [tokens, hidden], got " + Dims(xd));
-    }
-    p.tokens = xd[0];
-    if (route_ids.element_type() != ffi::S32) return kChecks.Invalid("topk_ids must be int32");
-    if (route_weights.element_type() != ffi::F32) {
-      return kChecks.Invalid("topk_weights must be float32");
-    }
-    const auto id = route_ids.dimensions();
-    if (id.size() != 2 || id[0] != p.tokens) {
-      return kChecks.Invalid("topk_ids must be [tokens, top_k], got " + Dims(id));
-    }
-    p.top_k = id[1];
-    JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("topk_weights", route_weights, {p.tokens, p.top_k}));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.TokenRows(x, H, &p.tokens));
+    JAX_MOEQ_RETURN_IF_ERROR(kChecks.TopK(route_ids, route_weights, p.tokens, &p.top_k));
   }
-  std::string err = cuda::ValidateWna16MoeProblem(p);
-  if (!err.empty()) return kChecks.Invalid(err);
+  JAX_MOEQ_RETURN_IF_ERROR(kChecks.InvalidUnlessEmpty(cuda::ValidateWna16MoeProblem(p)));
 
   JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w13", w13, {E, 2 * I / 16, H / 64, 32, 4}));
   JAX_MOEQ_RETURN_IF_ERROR(kChecks.Shape("w2", w2, {E, H / 16, I / 64, 32, 4}));
@@ -177,48 +165,18 @@ ffi::Error Wna16MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer ro
   p.act = act->untyped_data();
   p.ws13 = static_cast<float*>(ws13->untyped_data());
   p.ws2 = static_cast<float*>(ws2->untyped_data());
-  err = cuda::RunWna16Moe(p, stream);
-  if (!err.empty()) return kChecks.Internal(err);
-  return ffi::Error::Success();
+  return kChecks.InternalUnlessEmpty(cuda::RunWna16Moe(p, stream));
 }
 
-}  // namespace
-}  // namespace jax_moeq::ffi_cuda
-
-namespace jax_moeq::ffi_cuda {
-namespace {
-
-// Argument list shared by the plain handler and the one whose output is
-// aliased to an extra input (tests poison that input to prove full writes).
-auto BindArgs() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::AnyBuffer>()   // x
-      .Arg<ffi::AnyBuffer>()   // topk_ids | expert_num_tokens
-      .Arg<ffi::AnyBuffer>()   // topk_weights | unused
-      .Arg<ffi::AnyBuffer>()   // w13
-      .Arg<ffi::AnyBuffer>()   // w13_scales
-      .Arg<ffi::AnyBuffer>()   // w13_zeros
-      .Arg<ffi::AnyBuffer>()   // w13_bias
-      .Arg<ffi::AnyBuffer>()   // w2
-      .Arg<ffi::AnyBuffer>()   // w2_scales
-      .Arg<ffi::AnyBuffer>()   // w2_zeros
-      .Arg<ffi::AnyBuffer>()   // w2_bias
-      .Arg<ffi::AnyBuffer>()   // w13_perm
-      .Arg<ffi::AnyBuffer>();  // w2_inv_perm
-}
+// The inputs of the plain handler and of its "_into" twin, in order: x;
+// topk_ids | expert_num_tokens; topk_weights | unused; w13, w13_scales, w13_zeros, w13_bias;
+// w2, w2_scales, w2_zeros, w2_bias; w13_perm, w2_inv_perm.
+auto BindArgs() { return AddInputs<13>(BindStream()); }
 
 template <typename Binding>
 auto BindResultsAndAttrs(Binding binding) {
-  return std::move(binding)
-      .template Ret<ffi::AnyBuffer>()  // out
-      .template Ret<ffi::AnyBuffer>()  // sorted_ids
-      .template Ret<ffi::AnyBuffer>()  // expert_ids
-      .template Ret<ffi::AnyBuffer>()  // num_post_padded
-      .template Ret<ffi::AnyBuffer>()  // x_perm
-      .template Ret<ffi::AnyBuffer>()  // act
-      .template Ret<ffi::AnyBuffer>()  // ws13
-      .template Ret<ffi::AnyBuffer>()  // ws2
+  // Results, in order: out, sorted_ids, expert_ids, num_post_padded, x_perm, act, ws13, ws2.
+  return AddResults<8>(std::move(binding))
       .template Attr<bool>("batched")
       .template Attr<int64_t>("hidden_size")
       .template Attr<int64_t>("intermediate_size")
@@ -236,34 +194,10 @@ auto BindResultsAndAttrs(Binding binding) {
       .template Attr<bool>("fused_decode");
 }
 
-ffi::Error Wna16MoeIntoImpl(
-    cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer route_ids, ffi::AnyBuffer route_weights,
-    ffi::AnyBuffer w13, ffi::AnyBuffer s13, ffi::AnyBuffer z13, ffi::AnyBuffer b13,
-    ffi::AnyBuffer w2, ffi::AnyBuffer s2, ffi::AnyBuffer z2, ffi::AnyBuffer b2,
-    ffi::AnyBuffer perm13, ffi::AnyBuffer inv_perm2, ffi::AnyBuffer /*aliased out*/,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> sorted_ids,
-    ffi::Result<ffi::AnyBuffer> expert_ids, ffi::Result<ffi::AnyBuffer> num_post_padded,
-    ffi::Result<ffi::AnyBuffer> x_perm, ffi::Result<ffi::AnyBuffer> act,
-    ffi::Result<ffi::AnyBuffer> ws13, ffi::Result<ffi::AnyBuffer> ws2, bool batched,
-    int64_t hidden_size, int64_t intermediate_size, int64_t groups13, int64_t groups2,
-    int64_t block_m, int64_t split13, int64_t split2, int64_t activation_kind, bool has_zeros,
-    bool has_bias, bool act_order, int64_t mainloop, bool one_token, bool fused_decode) {
-  return Wna16MoeImpl(stream, x, route_ids, route_weights, w13, s13, z13, b13, w2, s2, z2, b2,
-                      perm13, inv_perm2, out, sorted_ids, expert_ids, num_post_padded, x_perm,
-                      act, ws13, ws2, batched, hidden_size, intermediate_size, groups13, groups2,
-                      block_m, split13, split2, activation_kind, has_zeros, has_bias, act_order,
-                      mainloop, one_token, fused_decode);
-}
-
 }  // namespace
 }  // namespace jax_moeq::ffi_cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqWna16MoeCuda, jax_moeq::ffi_cuda::Wna16MoeImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(jax_moeq::ffi_cuda::BindArgs()),
-    {ffi::Traits::kCmdBufferCompatible});  // stream-ordered, no host sync: graph-capturable
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxMoeqWna16MoeCudaInto, jax_moeq::ffi_cuda::Wna16MoeIntoImpl,
-    jax_moeq::ffi_cuda::BindResultsAndAttrs(
-        jax_moeq::ffi_cuda::BindArgs().Arg<ffi::AnyBuffer>()),
-    {ffi::Traits::kCmdBufferCompatible});
+JAX_MOEQ_DEFINE_CUDA_HANDLER_PAIR(JaxMoeqWna16MoeCuda, JaxMoeqWna16MoeCudaInto,
+                                  jax_moeq::ffi_cuda::Wna16MoeImpl,
+                                  jax_moeq::ffi_cuda::BindArgs,
+                                  jax_moeq::ffi_cuda::BindResultsAndAttrs);

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/device_cache.cuh"
 #include "cuda/int4_mma_core.cuh"
@@ -434,29 +435,43 @@ __device__ __forceinline__ void FinalizeTokenColumn(const float* ws, const int32
 }
 
 // Pairs k0 .. k0 + 7 of token t (those past top_k are out): whether each pair's expert lies in
-// [0, experts) and, for those, columns col .. col + 7 of its row of T widened to f32. One 16-byte
-// load a pair, all eight issued before any is used, so a token of few pairs still has bytes in
-// flight. Shared by the finalize kernels that read rows of T (here and W4A8's).
+// [0, experts) and, for those, columns col .. col + 7 of its row of T (bf16, fp16 or f32) widened
+// to f32. One 16-byte load a pair (two for f32), all eight pairs' issued before any is used, so a
+// token of few pairs still has bytes in flight. Shared by the finalize kernels that read rows of
+// T (here and W4A8's).
 template <typename T>
 __device__ __forceinline__ void LoadPairRows8(const T* rows, const int32_t* pair_experts,
                                               int experts, int top_k, int n, int t, int k0,
                                               int col, bool (&in)[8], float (&y)[8][8]) {
-  uint4 raw[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int e = k0 + j < top_k ? __ldg(pair_experts + t * top_k + k0 + j) : -1;
     in[j] = e >= 0 && e < experts;
   }
+  if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int64_t at = static_cast<int64_t>(t * top_k + k0 + j) * n + col;
-    raw[j] = in[j] ? __ldcg(reinterpret_cast<const uint4*>(rows + at)) : uint4{};
-  }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t at = static_cast<int64_t>(t * top_k + k0 + j) * n + col;
+      const float4* src = reinterpret_cast<const float4*>(rows + at);
+      const float4 lo = in[j] ? __ldcg(src) : float4{};
+      const float4 hi = in[j] ? __ldcg(src + 1) : float4{};
+      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const T* h = reinterpret_cast<const T*>(&raw[j]);
+      for (int c = 0; c < 8; ++c) y[j][c] = v[c];
+    }
+  } else {
+    uint4 raw[8];
 #pragma unroll
-    for (int c = 0; c < 8; ++c) y[j][c] = HalfType<T>::to_float(h[c]);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t at = static_cast<int64_t>(t * top_k + k0 + j) * n + col;
+      raw[j] = in[j] ? __ldcg(reinterpret_cast<const uint4*>(rows + at)) : uint4{};
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const T* h = reinterpret_cast<const T*>(&raw[j]);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) y[j][c] = HalfType<T>::to_float(h[c]);
+    }
   }
 }
 

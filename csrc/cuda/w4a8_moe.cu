@@ -180,11 +180,40 @@ __device__ __forceinline__ int QuantizeValue(float a, const RowQuant& rq) {
   return min(127, max(-128, __float2int_rn(__fmul_rn(a, rq.inv)) + rq.zp));
 }
 
+// The value quantized for input v: v times the row's router weight w rounded to T when the row
+// is weighted, else v.
 template <typename T>
-__device__ __forceinline__ float QuantInput(const T* src, int j, bool weighted, float w) {
-  const float v = ToFloat(src[j]);
+__device__ __forceinline__ float WeightedInput(float v, bool weighted, float w) {
   return weighted ? RoundOut<T>(__fmul_rn(v, w)) : v;
 }
+
+template <typename T>
+__device__ __forceinline__ float QuantInput(const T* src, int j, bool weighted, float w) {
+  return WeightedInput<T>(ToFloat(src[j]), weighted, w);
+}
+
+// A row's range with 0 and whether it holds a non-finite value, gathered by the threads that
+// read the row.
+struct RowRange {
+  float mn = 0.0f, mx = 0.0f;
+  int bad = 0;
+
+  __device__ __forceinline__ void Add(float v) {
+    mn = fminf(mn, v);
+    mx = fmaxf(mx, v);
+    bad |= !isfinite(v);
+  }
+
+  // The range of the warp's 32 lanes, in every lane.
+  __device__ __forceinline__ void ReduceWarp() {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, d));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+      bad |= __shfl_xor_sync(0xffffffffu, bad, d);
+    }
+  }
+};
 
 template <typename T>
 __global__ void __launch_bounds__(kQuantThreads)
@@ -202,32 +231,22 @@ __global__ void __launch_bounds__(kQuantThreads)
   const T* src = x + static_cast<int64_t>(r / in_div) * cols;
   const bool weighted = row_weights != nullptr;
   const float w = weighted ? row_weights[r] : 1.0f;
-  float mn = 0.0f, mx = 0.0f;
-  int bad = 0;
+  RowRange range;
   for (int j = threadIdx.x; j < cols; j += kQuantThreads) {
-    const float v = QuantInput(src, j, weighted, w);
-    mn = fminf(mn, v);
-    mx = fmaxf(mx, v);
-    bad |= !isfinite(v);
+    range.Add(QuantInput(src, j, weighted, w));
   }
   __shared__ float s_mn[kQuantThreads / 32], s_mx[kQuantThreads / 32];
   __shared__ int s_bad[kQuantThreads / 32];
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) {
-    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, d));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-    bad |= __shfl_xor_sync(0xffffffffu, bad, d);
-  }
+  range.ReduceWarp();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) {
-    s_mn[warp] = mn;
-    s_mx[warp] = mx;
-    s_bad[warp] = bad;
+    s_mn[warp] = range.mn;
+    s_mx[warp] = range.mx;
+    s_bad[warp] = range.bad;
   }
   __syncthreads();
-  mn = s_mn[0];
-  mx = s_mx[0];
-  bad = s_bad[0];
+  float mn = s_mn[0], mx = s_mx[0];
+  int bad = s_bad[0];
 #pragma unroll
   for (int i = 1; i < kQuantThreads / 32; ++i) {
     mn = fminf(mn, s_mn[i]);
@@ -282,26 +301,15 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
   const bool weighted = row_weights != nullptr;
   const float w = weighted ? row_weights[r] : 1.0f;
   const int vecs = cols / kVec;
-  float mn = 0.0f, mx = 0.0f;
-  int bad = 0;
+  RowRange range;
   for (int j = lane; j < vecs; j += 32) {
     float v[kVec];
     UnpackVec<T>(__ldg(src + j), v);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      const float a = weighted ? RoundOut<T>(__fmul_rn(v[i], w)) : v[i];
-      mn = fminf(mn, a);
-      mx = fmaxf(mx, a);
-      bad |= !isfinite(a);
-    }
+    for (int i = 0; i < kVec; ++i) range.Add(WeightedInput<T>(v[i], weighted, w));
   }
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) {
-    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, d));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-    bad |= __shfl_xor_sync(0xffffffffu, bad, d);
-  }
-  const RowQuant rq = RowQuantFromRange(mn, mx, bad != 0);
+  range.ReduceWarp();
+  const RowQuant rq = RowQuantFromRange(range.mn, range.mx, range.bad != 0);
   int8_t* dst = q + static_cast<int64_t>(r) * cols;
   for (int j = lane; j < vecs; j += 32) {
     float v[kVec];
@@ -310,7 +318,7 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       int qa = 0;
-      if (rq.live) qa = QuantizeValue(weighted ? RoundOut<T>(__fmul_rn(v[i], w)) : v[i], rq);
+      if (rq.live) qa = QuantizeValue(WeightedInput<T>(v[i], weighted, w), rq);
       if (i % 4 == 0) packed[i / 4] = 0;
       packed[i / 4] |= (static_cast<uint32_t>(qa) & 0xFFu) << (8 * (i % 4));
     }
@@ -611,34 +619,15 @@ __global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids,
   const int t = blockIdx.x;
   const int n = 8 * (blockIdx.y * blockDim.x + threadIdx.x);
   if (t >= tokens || n >= hidden) return;
-  // Eight pairs' rows are loaded before any is used (LoadPairRows8 for rows of T); the sum keeps
-  // the order of k, rounding after every add (SPEC §4), unlike FinalizeRoundedRowsKernel.
+  // Eight pairs' rows are loaded before any is used (LoadPairRows8); the sum keeps the order of k,
+  // rounding after every add (SPEC §4), unlike FinalizeRoundedRowsKernel.
   constexpr int kBatch = 8;
   float sum[8] = {};
   for (int k0 = 0; k0 < top_k; k0 += kBatch) {
     bool in[kBatch];
     float y[kBatch][8];
-    if constexpr (std::is_same_v<T, float>) {
-      const float* rows = static_cast<const float*>(ws);
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int e = k0 + j < top_k ? __ldg(topk_ids + t * top_k + k0 + j) : -1;
-        in[j] = e >= 0 && e < experts;
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const float4* src = reinterpret_cast<const float4*>(
-            rows + static_cast<int64_t>(t * top_k + k0 + j) * hidden + n);
-        const float4 lo = in[j] ? __ldcg(src) : float4{};
-        const float4 hi = in[j] ? __ldcg(src + 1) : float4{};
-        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-        for (int f = 0; f < 8; ++f) y[j][f] = v[f];
-      }
-    } else {
-      LoadPairRows8<T>(static_cast<const T*>(ws), topk_ids, experts, top_k, hidden, t, k0, n, in,
-                       y);
-    }
+    LoadPairRows8<T>(static_cast<const T*>(ws), topk_ids, experts, top_k, hidden, t, k0, n, in,
+                     y);
     float w[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {

@@ -1,6 +1,7 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) building blocks for the prefill GEMM: the shared-memory
-// matrix descriptor of a 128-byte-swizzled K-major B tile, the m64n128k16 MMA with A from
-// registers, and the fence / commit / wait of the asynchronous MMA groups. No XLA types.
+// matrix descriptor of a 128-byte-swizzled K-major B tile, the MMAs with A from registers (f32 +=
+// bf16 / f16 and s32 += s8), and the fence / commit / wait of the asynchronous MMA groups. No XLA
+// types.
 //
 // Only an sm_90a build has these instructions (JAX_MOEQ_HAS_WGMMA); other targets of a portable
 // build compile the kernels that use them as traps and never launch them.
@@ -60,22 +61,78 @@ __device__ __forceinline__ void FenceAccumulators(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define JAX_MOEQ_WGMMA_ACC_LIST                                                                  \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define JAX_MOEQ_WGMMA_ACC_OPERANDS(d)                                                           \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),             \
-      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-      "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-      "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
-      "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-      "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-      "+f"(d[63])
+template <int N>
+__device__ __forceinline__ void FenceAccumulators(int32_t (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// ------------------------------------------------------------------ wgmma.mma_async plumbing
+// Operands of every MMA below: %0 .. %(NACC - 1) the accumulators d (in and out), then the four
+// A registers, B's descriptor and the value whose non-zero-ness is scale-d (accumulate, else
+// overwrite). Inline PTX takes only string literals, so the operand numbers per accumulator
+// count are spelled out.
+#define JAX_MOEQ_WGMMA_REGS_16                                                                   \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define JAX_MOEQ_WGMMA_REGS_32                                                                   \
+  JAX_MOEQ_WGMMA_REGS_16 ", %16, %17, %18, %19, %20, %21, %22, %23, "                            \
+                         "%24, %25, %26, %27, %28, %29, %30, %31"
+#define JAX_MOEQ_WGMMA_REGS_64                                                                   \
+  JAX_MOEQ_WGMMA_REGS_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "   \
+                         "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "     \
+                         "%58, %59, %60, %61, %62, %63"
+// The A registers and B's descriptor, then the scale-d source, after NACC accumulators.
+#define JAX_MOEQ_WGMMA_A_B_16 "{%16, %17, %18, %19}, %20"
+#define JAX_MOEQ_WGMMA_A_B_32 "{%32, %33, %34, %35}, %36"
+#define JAX_MOEQ_WGMMA_A_B_64 "{%64, %65, %66, %67}, %68"
+#define JAX_MOEQ_WGMMA_SCALE_D_16 "%21"
+#define JAX_MOEQ_WGMMA_SCALE_D_32 "%37"
+#define JAX_MOEQ_WGMMA_SCALE_D_64 "%69"
+
+// Accumulator operands d[i ..], constraint C ("+f" f32, "+r" s32).
+#define JAX_MOEQ_WGMMA_ACC_8(C, d, i)                                                            \
+  C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]),          \
+      C(d[i + 7])
+#define JAX_MOEQ_WGMMA_ACC_16(C, d, i) \
+  JAX_MOEQ_WGMMA_ACC_8(C, d, i), JAX_MOEQ_WGMMA_ACC_8(C, d, i + 8)
+#define JAX_MOEQ_WGMMA_ACC_32(C, d, i) \
+  JAX_MOEQ_WGMMA_ACC_16(C, d, i), JAX_MOEQ_WGMMA_ACC_16(C, d, i + 16)
+#define JAX_MOEQ_WGMMA_ACC_64(C, d, i) \
+  JAX_MOEQ_WGMMA_ACC_32(C, d, i), JAX_MOEQ_WGMMA_ACC_32(C, d, i + 32)
+
+// The wrapper's d (NACC accumulators, constraint C) (+)= A (its registers a) x B (its descriptor
+// desc_b), scale-d from scale_d. SHAPE_TYPES: the instruction's shape and types, e.g.
+// "m64n64k32.s32.s8.s8". TAIL: the operands after scale-d, ", 1, 1, 0" (A and B scales 1, B
+// K-major) for 16-bit inputs and "" for s8 (which has neither).
+#if JAX_MOEQ_HAS_WGMMA
+#define JAX_MOEQ_WGMMA_MMA_ASYNC(NACC, SHAPE_TYPES, TAIL, C, scale_d)                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " JAX_MOEQ_WGMMA_SCALE_D_##NACC ", 0;\n"        \
+               "wgmma.mma_async.sync.aligned." SHAPE_TYPES " {" JAX_MOEQ_WGMMA_REGS_##NACC "}, " \
+               JAX_MOEQ_WGMMA_A_B_##NACC ", p" TAIL ";\n}\n"                                     \
+               : JAX_MOEQ_WGMMA_ACC_##NACC(C, d, 0)                                              \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+#else
+#define JAX_MOEQ_WGMMA_MMA_ASYNC(NACC, SHAPE_TYPES, TAIL, C, scale_d) \
+  WgmmaUnavailable(d, a, desc_b, scale_d)
+#endif
+
+// f32 d (+)= T x T with T bf16 or f16 (A and B scales 1, B K-major, always accumulating).
+#define JAX_MOEQ_WGMMA_F32_MMA_ASYNC(T, NACC, SHAPE)                                             \
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {                                              \
+    JAX_MOEQ_WGMMA_MMA_ASYNC(NACC, SHAPE ".f32.bf16.bf16", ", 1, 1, 0", "+f", 1);                \
+  } else {                                                                                       \
+    JAX_MOEQ_WGMMA_MMA_ASYNC(NACC, SHAPE ".f32.f16.f16", ", 1, 1, 0", "+f", 1);                  \
+  }
+
+// s32 d (+)= s8 x s8: accumulate false overwrites d (a fresh sum).
+#define JAX_MOEQ_WGMMA_S32_MMA_ASYNC(NACC, SHAPE) \
+  JAX_MOEQ_WGMMA_MMA_ASYNC(NACC, SHAPE ".s32.s8.s8", "", "+r", accumulate ? 1 : 0)
+
+// What a build without wgmma runs in its place: the kernels using it are never launched there.
+template <typename... Operands>
+__device__ __forceinline__ void WgmmaUnavailable(const Operands&...) {
+  __trap();
+}
 
 // d[64] += A (64 x 16, this warpgroup's registers: warp w holds rows 16w..16w+15 in the
 // mma.m16n8k16 A-fragment layout) x B (16 x 128 from the descriptor). Accumulator layout: warp w,
@@ -83,41 +140,20 @@ __device__ __forceinline__ void FenceAccumulators(float (&d)[N]) {
 template <typename T>
 __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], const uint32_t (&a)[4],
                                                 uint64_t desc_b) {
-#if JAX_MOEQ_HAS_WGMMA
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " JAX_MOEQ_WGMMA_ACC_LIST
-        ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : JAX_MOEQ_WGMMA_ACC_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " JAX_MOEQ_WGMMA_ACC_LIST
-        ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : JAX_MOEQ_WGMMA_ACC_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-  }
-#else
-  (void)d;
-  (void)a;
-  (void)desc_b;
-  __trap();
-#endif
+  JAX_MOEQ_WGMMA_F32_MMA_ASYNC(T, 64, "m64n128k16")
 }
 
-#define JAX_MOEQ_WGMMA_ACC_OPERANDS_S32(d)                                                       \
-  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),             \
-      "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),    \
-      "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), \
-      "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), \
-      "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), \
-      "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), \
-      "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), \
-      "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), \
-      "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), \
-      "+r"(d[63])
+// As WgmmaM64N128K16 with an N-token B tile (N = 32 or 64): d[N / 2], columns 0..N-1.
+template <typename T, int N>
+__device__ __forceinline__ void WgmmaM64NxK16(float (&d)[N / 2], const uint32_t (&a)[4],
+                                              uint64_t desc_b) {
+  static_assert(N == 32 || N == 64, "32- or 64-token tiles");
+  if constexpr (N == 32) {
+    JAX_MOEQ_WGMMA_F32_MMA_ASYNC(T, 16, "m64n32k16")
+  } else {
+    JAX_MOEQ_WGMMA_F32_MMA_ASYNC(T, 32, "m64n64k16")
+  }
+}
 
 // s32 d[64] (+)= A (64 x 32 int8, this warpgroup's registers: warp w holds rows 16w..16w+15,
 // lane (g, t) a[0] = row g, inputs 4t..4t+3 (byte i = input 4t + i), a[1] = row g + 8, same
@@ -126,111 +162,31 @@ __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], const uint32_t (
 // Accumulator layout as WgmmaM64N128K16's.
 __device__ __forceinline__ void WgmmaS8M64N128K32(int32_t (&d)[64], const uint32_t (&a)[4],
                                                   uint64_t desc_b, bool accumulate) {
-#if JAX_MOEQ_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " JAX_MOEQ_WGMMA_ACC_LIST
-      ", {%64, %65, %66, %67}, %68, p;\n}\n"
-      : JAX_MOEQ_WGMMA_ACC_OPERANDS_S32(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate ? 1 : 0));
-#else
-  (void)d;
-  (void)a;
-  (void)desc_b;
-  (void)accumulate;
-  __trap();
-#endif
+  JAX_MOEQ_WGMMA_S32_MMA_ASYNC(64, "m64n128k32");
 }
 
 // s32 d[32] (+)= A (64 x 32 int8, registers as WgmmaS8M64N128K32) x B (32 x 64 int8, K-major
 // from the descriptor). Accumulator layout as WgmmaM64N128K16's, columns 0..63.
 __device__ __forceinline__ void WgmmaS8M64N64K32(int32_t (&d)[32], const uint32_t (&a)[4],
                                                  uint64_t desc_b, bool accumulate) {
-#if JAX_MOEQ_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-      ", {%32, %33, %34, %35}, %36, p;\n}\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
-        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]),
-        "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]),
-        "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate ? 1 : 0));
-#else
-  (void)d;
-  (void)a;
-  (void)desc_b;
-  (void)accumulate;
-  __trap();
-#endif
+  JAX_MOEQ_WGMMA_S32_MMA_ASYNC(32, "m64n64k32");
 }
 
-// wgmma.m64n32k16 and m64n64k16 as WgmmaM64N128K16 (TY: "bf16" or "f16").
-#define JAX_MOEQ_WGMMA_M64N32K16(TY)                                                               \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                 \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                 \
-      "%0, %1, %2, %3, %4, %5, %6, %7, "                                                           \
-      "%8, %9, %10, %11, %12, %13, %14, %15"                                                       \
-      "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                             \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15])                                                                   \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-
-#define JAX_MOEQ_WGMMA_M64N64K16(TY)                                                               \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                 \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                                 \
-      "%0, %1, %2, %3, %4, %5, %6, %7, "                                                           \
-      "%8, %9, %10, %11, %12, %13, %14, %15, "                                                     \
-      "%16, %17, %18, %19, %20, %21, %22, %23, "                                                   \
-      "%24, %25, %26, %27, %28, %29, %30, %31"                                                     \
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                             \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                         \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-
-// As WgmmaM64N128K16 with an N-token B tile (N = 32 or 64): d[N / 2], columns 0..N-1.
-template <typename T, int N>
-__device__ __forceinline__ void WgmmaM64NxK16(float (&d)[N / 2], const uint32_t (&a)[4],
-                                              uint64_t desc_b) {
-  static_assert(N == 32 || N == 64, "32- or 64-token tiles");
-#if JAX_MOEQ_HAS_WGMMA
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (N == 32 && kBf16) {
-    JAX_MOEQ_WGMMA_M64N32K16("bf16");
-  } else if constexpr (N == 32) {
-    JAX_MOEQ_WGMMA_M64N32K16("f16");
-  } else if constexpr (kBf16) {
-    JAX_MOEQ_WGMMA_M64N64K16("bf16");
-  } else {
-    JAX_MOEQ_WGMMA_M64N64K16("f16");
-  }
-#else
-  (void)d;
-  (void)a;
-  (void)desc_b;
-  __trap();
-#endif
-}
-#undef JAX_MOEQ_WGMMA_M64N32K16
-#undef JAX_MOEQ_WGMMA_M64N64K16
-
-template <int N>
-__device__ __forceinline__ void FenceAccumulators(int32_t (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
-
-#undef JAX_MOEQ_WGMMA_ACC_LIST
-#undef JAX_MOEQ_WGMMA_ACC_OPERANDS
-#undef JAX_MOEQ_WGMMA_ACC_OPERANDS_S32
+#undef JAX_MOEQ_WGMMA_S32_MMA_ASYNC
+#undef JAX_MOEQ_WGMMA_F32_MMA_ASYNC
+#undef JAX_MOEQ_WGMMA_MMA_ASYNC
+#undef JAX_MOEQ_WGMMA_ACC_64
+#undef JAX_MOEQ_WGMMA_ACC_32
+#undef JAX_MOEQ_WGMMA_ACC_16
+#undef JAX_MOEQ_WGMMA_ACC_8
+#undef JAX_MOEQ_WGMMA_SCALE_D_64
+#undef JAX_MOEQ_WGMMA_SCALE_D_32
+#undef JAX_MOEQ_WGMMA_SCALE_D_16
+#undef JAX_MOEQ_WGMMA_A_B_64
+#undef JAX_MOEQ_WGMMA_A_B_32
+#undef JAX_MOEQ_WGMMA_A_B_16
+#undef JAX_MOEQ_WGMMA_REGS_64
+#undef JAX_MOEQ_WGMMA_REGS_32
+#undef JAX_MOEQ_WGMMA_REGS_16
 
 }  // namespace jax_moeq::cuda
