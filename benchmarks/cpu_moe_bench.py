@@ -1058,8 +1058,23 @@ def main(argv=None) -> int:
   parser.add_argument("--time-split", default="",
                       help="comma-separated T values whose kernel time is split by stage "
                            "(dispatch, busy, join; the kernel's stage clock)")
+  parser.add_argument("--replot", default="",
+                      help="comma-separated JSON files of earlier runs (--json's line): write "
+                           "--plot from their rows, shapes side by side, and time nothing")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parser.parse_args(argv)
+  if args.replot:
+    if not args.plot:
+      parser.error("--replot needs --plot PATH")
+    results, dram = {}, []
+    for path in args.replot.split(","):
+      with open(path) as f:
+        run = json.load(f)
+      dram.append(run["dram_gbps"])
+      for shape, rows in run["rows"].items():
+        results[shape] = [Row(**r) for r in rows]
+    plot(results, args.plot, f"{run['threads']} threads; DRAM read {min(dram):.0f}-{max(dram):.0f} GB/s over the runs")
+    return 0
   if args.quick:
     args.shapes, args.tokens = "olmoe", "1,8,128"
     args.target_seconds, args.baseline_budget = 0.6, 10.0
