@@ -170,3 +170,44 @@ def test_model_roofline_plot_reads_the_recorded_run(monkeypatch):
   # 1587 MB a step at 2.99 TB/s: 1884 tok/s; measured 237.
   assert abs(one["wna16_all"]["roofline_tok_s"] - 1884) < 5
   assert 0 < one["wna16_all"]["decode_tok_s"] < one["wna16_all"]["roofline_tok_s"]
+
+
+def test_cpu_bench_replots_the_recorded_xeon_runs(tmp_path):
+  # docs/cpu_ktk_xeon.png comes from the recorded JSON lines by --replot, which times nothing.
+  pytest.importorskip("matplotlib")
+  data = BENCH.parents[1] / "docs" / "data"
+  runs = [data / f"cpu_ktk_xeon16_{name}.json" for name in ("olmoe_qwen3", "dsv2lite", "dsv3")]
+  png = tmp_path / "replot.png"
+  cmd = [sys.executable, str(BENCH), "--replot", ",".join(map(str, runs)), "--plot", str(png)]
+  out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                       timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  shapes = set()
+  for run in runs:
+    shapes |= set(json.loads(run.read_text())["rows"])
+  assert shapes == {"OLMoE-1B-7B", "Qwen3-30B-A3B", "DeepSeek-V2-Lite", "DeepSeek-V3"}
+
+
+def test_ort_layers_past_protobufs_limit_go_as_external_data(monkeypatch):
+  # A DeepSeek-V3 layer's QMoE weights pass protobuf's 2 GB: such graphs keep their weights as
+  # ONNX external data, and must compute what the inline graph does.
+  pytest.importorskip("onnxruntime")
+  pytest.importorskip("onnx")
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import cpu_moe_bench as bench  # pylint: disable=import-outside-toplevel
+  shape = bench.SHAPES["tiny"]
+  inline, why_inline = bench.ort_session(shape, 0, 1, range(0, 2))
+  monkeypatch.setattr(bench, "ORT_GRAPH_BYTES", 10)
+  external, why_external = bench.ort_session(shape, 0, 1, range(0, 2))
+  assert inline is not None and external is not None, (why_inline, why_external)
+  assert "external data" in why_external and "external data" not in why_inline
+  rng = np.random.default_rng(1)
+  feed = {"input": rng.standard_normal((5, shape.hidden_size)).astype(np.float32),
+          **{f"router_probs_{l}": rng.random((5, shape.num_experts)).astype(np.float32)
+             for l in range(2)}}
+  want = inline.run(None, feed)[0]
+  got = external.run(None, feed)[0]
+  assert np.abs(want).max() > 0
+  np.testing.assert_array_equal(got, want)
