@@ -65,6 +65,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -251,6 +252,13 @@ def dense_fn():
 
 
 ORT_GRAPH_BYTES = 1_800_000_000  # a serialized ONNX model must stay under protobuf's 2 GB
+ORT_BLOCK_SIZE = 128  # QMoE's int4 block (group) size
+
+
+def _ort_layer_bytes(shape: Shape, block_size: int = ORT_BLOCK_SIZE) -> int:
+  """Bytes of one QMoE layer's initializers: int4 nibbles and float32 block scales."""
+  h, i = shape.hidden_size, shape.intermediate_size
+  return shape.num_experts * (3 * h * i // 2 + 3 * h * i // block_size * 4)
 
 
 def _ort_initializer(array: np.ndarray, name: str, external_dir: str | None):
@@ -263,24 +271,21 @@ def _ort_initializer(array: np.ndarray, name: str, external_dir: str | None):
   location = f"{name}.bin"
   array = np.ascontiguousarray(array)
   array.tofile(os.path.join(external_dir, location))
-  tensor = helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype),
-                                         array.shape).type.tensor_type
-  proto = TensorProto(name=name, data_type=tensor.elem_type, dims=array.shape,
-                      data_location=TensorProto.EXTERNAL)
+  # onnx.external_data_helper.set_external_data wants the bytes in raw_data first, which is
+  # what protobuf cannot hold here; the entries are written directly.
+  proto = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                      dims=array.shape, data_location=TensorProto.EXTERNAL)
   for key, value in (("location", location), ("offset", "0"), ("length", str(array.nbytes))):
     entry = proto.external_data.add()
     entry.key, entry.value = key, value
   return proto
-ORT_BLOCK_SIZE = 128  # QMoE's int4 block (group) size
 
 
 def ort_layers(shape: Shape, layers: int, seed: int, threads: int) -> tuple[list | None, str]:
   """ORT sessions, each with the range of layers it holds, that together run `layers` QMoE layers
   chained as ours are: as few graphs as fit in ORT_GRAPH_BYTES each (one for the small-expert
   shapes), run one after another on the previous one's output; or (None, why)."""
-  e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
-  layer_bytes = e * (3 * h * i // 2 + 3 * h * i // ORT_BLOCK_SIZE * 4)  # nibbles + f32 scales
-  per_graph = max(1, ORT_GRAPH_BYTES // layer_bytes)
+  per_graph = max(1, ORT_GRAPH_BYTES // _ort_layer_bytes(shape))
   sessions, why = [], ""
   for first in range(0, layers, per_graph):
     held = range(first, min(layers, first + per_graph))
@@ -301,15 +306,13 @@ def ort_session(shape: Shape, seed: int, threads: int, layers: range,
   try:
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
   except ImportError as e:
     return None, f"onnxruntime/onnx not installed ({e.name}); `pip install .[bench]`"
-  import tempfile
   e, k, h, i = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
-  layer_bytes = e * (3 * h * i // 2 + 3 * h * i // block_size * 4)
-  # Held for the session's life: ORT reads external data when the session is made.
+  # Held until the session is made: ORT reads external data then.
   external = (tempfile.TemporaryDirectory(prefix="ort_qmoe_")
-              if layer_bytes * len(layers) > ORT_GRAPH_BYTES else None)
+              if _ort_layer_bytes(shape, block_size) * len(layers) > ORT_GRAPH_BYTES else None)
   inits, nodes, x = [], [], "input"
   for l in layers:
     rng = np.random.default_rng((seed + l, 7))
@@ -1073,7 +1076,8 @@ def main(argv=None) -> int:
       dram.append(run["dram_gbps"])
       for shape, rows in run["rows"].items():
         results[shape] = [Row(**r) for r in rows]
-    plot(results, args.plot, f"{run['threads']} threads; DRAM read {min(dram):.0f}-{max(dram):.0f} GB/s over the runs")
+    plot(results, args.plot, f"{run['threads']} threads; DRAM read "
+         f"{min(dram):.0f}-{max(dram):.0f} GB/s over the runs")
     return 0
   if args.quick:
     args.shapes, args.tokens = "olmoe", "1,8,128"
