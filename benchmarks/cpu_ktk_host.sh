@@ -31,8 +31,10 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONPATH=$PWD:$PWD/$KTK${PYTHONPATH:+:$PYTHONPATH}
 lscpu | grep -E "Model name|^CPU\(s\)|L3|NUMA node\(s\)" | tee "$OUT/lscpu.txt"
-"$PY" -c 'import sys, torch, onnxruntime as o; print("python", sys.version.split()[0], "torch",
-  torch.__version__, "onnxruntime", o.__version__)' \
+"$PY" -c 'import importlib.metadata as m, sys, torch
+try: ort = m.version("onnxruntime")
+except m.PackageNotFoundError: ort = "absent"
+print("python", sys.version.split()[0], "torch", torch.__version__, "onnxruntime", ort)' \
   | tee "$OUT/versions.txt"
 # How its KTMoEWrapper.forward behaves with a CUDA stream (one child process per way of calling it).
 if [ "${PROBE:-1}" = 1 ]; then
