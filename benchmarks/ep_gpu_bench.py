@@ -60,9 +60,6 @@ def _parse(argv):
   p.add_argument("--tokens", default="1,16,128,1024,4096", help="tokens per GPU")
   p.add_argument("--dispatch", default=",".join(DISPATCHES))
   p.add_argument("--layers", type=int, default=8)
-  p.add_argument("--overlap-chunks", default="1",
-                 help="comma list: replicated dispatch's token chunks (moe_sharded's "
-                      "overlap_chunks), each timed as its own row")
   p.add_argument("--capacity-factor", type=float, default=2.0)
   p.add_argument("--no-baseline", action="store_true", help="skip the weak-scaling baselines")
   p.add_argument("--profile", action="store_true", help="time the NCCL kernels (jax.profiler)")
@@ -173,11 +170,11 @@ class Stack:
     self.routers = jax.device_put(jnp.stack(routers), NamedSharding(self.mesh, P()))
     self._fns = {}
 
-  def forward(self, dispatch_mode: str, capacity_factor: float, overlap_chunks: int = 1):
+  def forward(self, dispatch_mode: str, capacity_factor: float):
     import jax
     import jax.numpy as jnp
     from jax_moeq import sharding as sh
-    key = (dispatch_mode, capacity_factor, overlap_chunks)
+    key = (dispatch_mode, capacity_factor)
     if key not in self._fns:
       layouts, routing = self.layouts, self.routing
 
@@ -185,8 +182,7 @@ class Stack:
         for l, layout in enumerate(layouts):
           logits = jnp.dot(x, routers[l], preferred_element_type=jnp.float32)
           y = sh.moe_sharded(x, logits, layout, arrays[l], routing,
-                             capacity_factor=capacity_factor, dispatch=dispatch_mode,
-                             overlap_chunks=overlap_chunks)
+                             capacity_factor=capacity_factor, dispatch=dispatch_mode)
           y = y.astype(jnp.float32)
           x = (y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
                ).astype(jnp.bfloat16)
@@ -290,13 +286,8 @@ def main(argv=None) -> int:
   def over_budget() -> bool:
     return args.budget_seconds > 0 and time.time() - started > args.budget_seconds
 
-  chunk_list = [int(v) for v in args.overlap_chunks.split(",")]
-
-  def variants(d: str) -> list[tuple[str, int]]:
-    return [(d, c) for c in chunk_list] if d == "replicated" else [(d, 1)]
-
-  def time_stack(stack, per_gpu, d, chunks=1):
-    fn = stack.forward(d, args.capacity_factor, chunks)
+  def time_stack(stack, per_gpu, d):
+    fn = stack.forward(d, args.capacity_factor)
     x = stack.tokens(per_gpu, d)
     t, _ = _timing.median_time(lambda i: fn(x, stack.routers, stack.arrays), warmup=2,
                                target_seconds=args.target_seconds)
@@ -315,29 +306,19 @@ def main(argv=None) -> int:
         print(f"| {shape_name} | {n} | - | - | building failed: {type(e).__name__}: "
               f"{str(e)[:200]} |", flush=True)
         continue
-      base_stack, baselines, one_chunk_out = None, {}, {}
+      base_stack, baselines = None, {}
       for per_gpu in token_list:
-        for d, chunks in ([("replicated", 1)] if n == 1 else
-                          [v for d in dispatches for v in variants(d)]):
+        for d in (["replicated"] if n == 1 else dispatches):
           if over_budget():
             break
-          _timing.progress(f"{shape_name} n={n} T={per_gpu} {d} chunks={chunks}")
+          _timing.progress(f"{shape_name} n={n} T={per_gpu} {d}")
           try:
-            t, x, fn = time_stack(stack, per_gpu, d, chunks)
+            t, x, fn = time_stack(stack, per_gpu, d)
           except Exception as e:  # pylint: disable=broad-except
             print(f"| {shape_name} | {n} | {per_gpu} | {d} | failed: {type(e).__name__}: "
                   f"{str(e)[:200]} |", flush=True)
             continue
           layer_s = t / args.layers
-          rel_one_chunk = None
-          if d == "replicated":  # chunked outputs against the one-chunk call's
-            import numpy as np
-            out = np.asarray(fn(x, stack.routers, stack.arrays), np.float64)
-            if chunks == 1:
-              one_chunk_out[per_gpu] = out
-            elif per_gpu in one_chunk_out:
-              want = one_chunk_out[per_gpu]
-              rel_one_chunk = float(np.linalg.norm(out - want) / max(np.linalg.norm(want), 1e-30))
           coll = None
           if args.profile and n > 1:
             with tempfile.TemporaryDirectory() as trace_dir:
@@ -362,18 +343,14 @@ def main(argv=None) -> int:
             except Exception as e:  # pylint: disable=broad-except
               _timing.progress(f"baseline failed: {type(e).__name__}: {str(e)[:200]}")
           gbps = (nbytes / coll / 1e9) if coll else (nbytes / layer_s / 1e9)
-          row = dict(shape=shape_name, gpus=n, tokens_per_gpu=per_gpu,
-                     dispatch=d if chunks == 1 else f"{d} ({chunks} chunks)",
-                     overlap_chunks=chunks,
+          row = dict(shape=shape_name, gpus=n, tokens_per_gpu=per_gpu, dispatch=d,
                      backend=stack.backend, layer_us=layer_s * 1e6,
                      collective_us=None if coll is None else coll * 1e6,
                      bytes_per_gpu=nbytes, gbps=gbps, gbps_over="collectives" if coll else "layer",
-                     weak_scaling=eff, rel_to_one_chunk=rel_one_chunk)
+                     weak_scaling=eff)
           results["rows"].append(row)
           rows.append(row)
           print(_row_line(row), flush=True)
-          if rel_one_chunk is not None:
-            print(f"#   {row['dispatch']} against one chunk: rel {rel_one_chunk:.2e}", flush=True)
           if args.json:
             with open(args.json, "w") as f:
               json.dump(results, f, indent=1)

@@ -12,10 +12,7 @@
 #     16 / 1024 / 4096, the three dispatches, 8 layers, NCCL kernels profiled);
 #   BENCH_XLA_FLAGS: XLA_FLAGS of the bench's process only (e.g. XLA's ragged_all_to_all
 #     decomposer, see the exchange stage);
-#   "overlap": replicated dispatch's all-gather form in token chunks (--overlap-chunks), timed
-#     under XLA's default schedule and then with its latency-hiding scheduler (one process each:
-#     XLA reads its flags once); OVERLAP_ARGS: ep_gpu_bench.py's arguments;
-#   Stages run in the order test, model, exchange, big, bench, overlap;
+#   Stages run in the order test, model, exchange, big, bench;
 #   LIMIT: seconds the whole run may take (default 570: a device call's 600 s, less a margin);
 #     each stage gets what is left, the bench stops starting configurations in time.
 # Stage times on 4 H200s (2026-11-26): test ~200 s, model ~220 s, big at 16 layers ~180 s (94
@@ -125,22 +122,6 @@ if has bench; then
   else
     summary+=("bench: skipped (${budget} s left)")
   fi
-fi
-
-if has overlap; then
-  for flags in "" --xla_gpu_enable_latency_hiding_scheduler=true; do
-    budget=$(( $(left) - 60 ))
-    [ "$budget" -gt 30 ] || { summary+=("overlap ${flags:-default}: skipped"); continue; }
-    tag=${flags:+lhs}; tag=${tag:-default}
-    base=""; [ -n "$flags" ] && base="--no-baseline"  # the first process measured it
-    # shellcheck disable=SC2086
-    XLA_FLAGS="$flags" timeout "$(left)" "$PY" benchmarks/ep_gpu_bench.py \
-      ${OVERLAP_ARGS:---shapes dsv3 --gpus 4 --tokens 1024,4096 --dispatch replicated \
-        --overlap-chunks 1,2,4 --layers 4 --profile} $base --budget-seconds "$budget" \
-      --json "$OUT/ep_overlap_$tag.json" 2>"$OUT/ep_overlap_$tag.err" | tee "$OUT/ep_overlap_$tag.txt"
-    summary+=("overlap ${flags:-default}: exit ${PIPESTATUS[0]}, $(grep -c '^| ' "$OUT/ep_overlap_$tag.txt") rows")
-    tail -3 "$OUT/ep_overlap_$tag.err"
-  done
 fi
 
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"

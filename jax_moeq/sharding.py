@@ -983,8 +983,7 @@ def _route(layout: ExpertsLayout, logits: Array, routing, correction_bias) -> tu
 
 def moe_sharded(x: Array, router_logits: Array, layout: ExpertsLayout, arrays: dict[str, Array],
                 routing, correction_bias: Array | None = None, *,
-                capacity_factor: float | None = 2.0, dispatch: str = "replicated",
-                overlap_chunks: int = 1) -> Array:
+                capacity_factor: float | None = 2.0, dispatch: str = "replicated") -> Array:
   """The experts of `shard_experts` over their mesh, from router logits: x [T, H] and
   router_logits [T, E] -> [T, H] in x.dtype, replicated over the mesh.
 
@@ -997,13 +996,8 @@ def moe_sharded(x: Array, router_logits: Array, layout: ExpertsLayout, arrays: d
   dispatch="all_to_all" / "ragged_all_to_all": tokens split over the expert axis (T padded to a
   multiple of its size), pairs exchanged in rounds of a fixed capacity (module docstring);
   ragged is refused on a CPU mesh.
-  overlap_chunks: where replicated dispatch takes its all-gather / reduce-scatter form
-  (`replicated_scatters`), each shard's tokens go through it in this many chunks, so that one
-  chunk's collectives may overlap another's experts (outputs equal to one chunk's, up to the
-  kernels' batch-shape rounding); elsewhere it changes nothing.
   """
   _check_dispatch(dispatch, layout.expert_axis, layout.mesh)
-  overlap_chunks = _check_overlap_chunks(overlap_chunks)
   h, e = layout.hidden_size, layout.num_experts
   if x.ndim != 2 or x.shape[1] != h:
     raise ValueError(f"x must be [tokens, {h}], got shape {x.shape}")
@@ -1013,19 +1007,18 @@ def moe_sharded(x: Array, router_logits: Array, layout: ExpertsLayout, arrays: d
   if not layout.kernel_routing:
     weights, ids = routing.select(router_logits, correction_bias)
     return moe_sharded_routed(x, ids, weights, layout, arrays, capacity_factor=capacity_factor,
-                              dispatch=dispatch, overlap_chunks=overlap_chunks)
+                              dispatch=dispatch)
   bias = () if correction_bias is None else (jnp.asarray(correction_bias, jnp.float32),)
   return _run_sharded(layout, arrays, dispatch, capacity_factor, x, router_logits, *bias,
-                      routing=routing, overlap_chunks=overlap_chunks)
+                      routing=routing)
 
 
 def moe_sharded_routed(x: Array, topk_ids: Array, topk_weights: Array, layout: ExpertsLayout,
                        arrays: dict[str, Array], *, capacity_factor: float | None = 2.0,
-                       dispatch: str = "replicated", overlap_chunks: int = 1) -> Array:
+                       dispatch: str = "replicated") -> Array:
   """`moe_sharded` on already-routed tokens: topk_ids / topk_weights [T, K] (global ids; ids
   outside [0, E) contribute nothing). Not for kernel-routing (MxInt4) layouts."""
   _check_dispatch(dispatch, layout.expert_axis, layout.mesh)
-  overlap_chunks = _check_overlap_chunks(overlap_chunks)
   if layout.kernel_routing:
     raise ValueError(f"the {layout.backend} experts route inside their kernel: call moe_sharded "
                      "with router logits")
@@ -1037,28 +1030,12 @@ def moe_sharded_routed(x: Array, topk_ids: Array, topk_weights: Array, layout: E
     raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both "
                      f"be [tokens={x.shape[0]}, K]")
   return _run_sharded(layout, arrays, dispatch, capacity_factor, x,
-                      topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32),
-                      overlap_chunks=overlap_chunks)
-
-
-def _chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
-  """[a, b) ranges splitting `rows` into min(chunks, rows) nearly equal parts (one if rows is
-  0)."""
-  c = max(1, min(chunks, rows))
-  edges = [rows * j // c for j in range(c + 1)]
-  return list(zip(edges[:-1], edges[1:]))
-
-
-def _check_overlap_chunks(overlap_chunks) -> int:
-  if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, (int, np.integer)) or (
-      overlap_chunks < 1):
-    raise ValueError(f"overlap_chunks must be an int >= 1, got {overlap_chunks!r}")
-  return int(overlap_chunks)
+                      topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32))
 
 
 def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
                  capacity_factor: float | None, x: Array, *token_args: Array,
-                 routing=None, overlap_chunks: int = 1) -> Array:
+                 routing=None) -> Array:
   """shard_map of the experts over the mesh. token_args: (ids, weights) of routed layouts, or
   (router logits[, correction bias]) of kernel-routing ones."""
   mesh = layout.mesh
@@ -1111,38 +1088,27 @@ def _run_sharded(layout: ExpertsLayout, arrays: dict[str, Array], dispatch: str,
   factor = None if _on_gpus(mesh) else capacity_factor
   scatter = layout.expert_axis is not None and replicated_scatters(x.shape[0], n_ep)
 
-  def experts(x, token_in, bias, local_arrays):
-    """[rows, H] f32: this shard's experts' share of every row's output."""
-    if layout.kernel_routing:
-      local = _local(local_arrays)
-      return _rank_switch(layout.expert_axis, n_ep, lambda r: layout.experts[r].apply(
-          x, token_in[0], local, routing, bias)).astype(jnp.float32)
-    ids, weights = token_in
-    return _ep_apply(_routed_rows_fn(layout, local_arrays), x, ids, weights, per,
-                     layout.expert_axis, n_ep, factor, null_id=-1)
-
-  def gathered_chunk(x, token_in, bias, local_arrays):
-    """This shard's tokens x: gathered from every shard, run on this shard's experts, and
-    reduce-scattered back (each shard keeps the f32 sums of its own tokens: half the bytes of a
-    psum of all of them)."""
-    gather = functools.partial(jax.lax.all_gather, axis_name=layout.expert_axis, tiled=True)
-    y = experts(gather(x), tuple(gather(a) for a in token_in), bias, local_arrays)
-    if layout.tensor_axis is not None:
-      y = jax.lax.psum(y, layout.tensor_axis)
-    return jax.lax.psum_scatter(y, layout.expert_axis, scatter_dimension=0,
-                                tiled=True).astype(x.dtype)
-
   def body(x, *rest):
     token_in, rest = rest[:n_token_args], rest[n_token_args:]
+    if scatter:  # tokens arrive split over the expert axis: every shard runs all of them
+      gather = functools.partial(jax.lax.all_gather, axis_name=layout.expert_axis, tiled=True)
+      x, token_in = gather(x), tuple(gather(a) for a in token_in)
     bias, local_arrays = unpack(rest)
+    if layout.kernel_routing:
+      local = _local(local_arrays)
+      y = _rank_switch(layout.expert_axis, n_ep, lambda r: layout.experts[r].apply(
+          x, token_in[0], local, routing, bias)).astype(jnp.float32)
+    else:
+      ids, weights = token_in
+      y = _ep_apply(_routed_rows_fn(layout, local_arrays), x, ids, weights, per,
+                    layout.expert_axis, n_ep, factor, null_id=-1)
     if not scatter:
-      return _combine(experts(x, token_in, bias, local_arrays), x.dtype, axes)
-    # Chunks of this shard's tokens have no data between them, so one chunk's collectives can
-    # run while another's experts do.
-    bounds = _chunk_bounds(x.shape[0], overlap_chunks)
-    outs = [gathered_chunk(x[a:b], tuple(t[a:b] for t in token_in), bias, local_arrays)
-            for a, b in bounds]
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+      return _combine(y, x.dtype, axes)
+    if layout.tensor_axis is not None:
+      y = jax.lax.psum(y, layout.tensor_axis)
+    # Each shard keeps the f32 sums of its own tokens: half the bytes of a psum of all of them.
+    return jax.lax.psum_scatter(y, layout.expert_axis, scatter_dimension=0,
+                                tiled=True).astype(x.dtype)
 
   if scatter:
     return split_tokens(body)

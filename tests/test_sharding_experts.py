@@ -81,7 +81,7 @@ _PRELUDE = textwrap.dedent("""
                        for k in range(ids.shape[1])], axis=1)
 
     def sharded(p, ep, tp, dispatch_mode, cap=2.0, logits=None, routed=None,
-                backend="reference", chunks=1):
+                backend="reference"):
       mesh = sh.make_mesh(ep, tp)
       layout, arrays = sh.shard_experts(p["scheme"], p["layer"], p["w"], mesh=mesh,
                                         tensor_axis="tp" if tp > 1 else None, group_size=p["g"],
@@ -90,12 +90,10 @@ _PRELUDE = textwrap.dedent("""
       if routed is not None:
         fn = jax.jit(lambda x, i, w: sh.moe_sharded_routed(x, i, w, layout, arrays,
                                                            capacity_factor=cap,
-                                                           dispatch=dispatch_mode,
-                                                           overlap_chunks=chunks))
+                                                           dispatch=dispatch_mode))
         return fn(p["x"], *routed)
       fn = jax.jit(lambda x, l: sh.moe_sharded(x, l, layout, arrays, p["routing"],
-                                               capacity_factor=cap, dispatch=dispatch_mode,
-                                               overlap_chunks=chunks))
+                                               capacity_factor=cap, dispatch=dispatch_mode))
       return fn(p["x"], p["logits"] if logits is None else logits)
 
     def check_ep(p, got, want, experts, arrays, exact, factor, what):
@@ -140,33 +138,6 @@ for scheme in ("wna16", "mxint4", "w4a8_int8"):
           err = rel(sharded(p, 2, 2, d), want)
         tol = 3e-2 if scheme == "w4a8_int8" else (1e-5 if dt == jnp.float32 else 1e-2)
         assert err <= tol, (scheme, dt, d, scatter_min, err)
-print("ok")
-"""
-
-# Replicated dispatch's all-gather form in token chunks (overlap_chunks): every token runs the
-# same per-token arithmetic in a smaller call, so the outputs equal one chunk's bit for bit (the
-# CPU experts are batch-invariant); 2 chunks, 3 (uneven: 17 tokens on 4 shards pad to 5 a
-# shard) and more chunks than a shard's tokens.
-_CHUNKS = """
-from unittest import mock
-for scheme, backend in (("wna16", "reference"), ("mxint4", "reference"),
-                        ("w4a8_int8", "cpu_int4")):
-  for dt in (jnp.float32, jnp.bfloat16):
-    p = problem(scheme, dt, seed=3, T=17)
-    with mock.patch.object(sh, "_SCATTER_MIN_TOKENS_PER_SHARD", 1):
-      want = np.asarray(sharded(p, 4, 1, "replicated", backend=backend), np.float64)
-      for chunks in (2, 3, 8):
-        got = np.asarray(sharded(p, 4, 1, "replicated", backend=backend, chunks=chunks),
-                         np.float64)
-        np.testing.assert_array_equal(got, want, err_msg=str((scheme, dt, chunks)))
-      # EP x TP: the TP psum runs per chunk.
-      want = np.asarray(sharded(p, 2, 2, "replicated", backend=backend), np.float64)
-      got = np.asarray(sharded(p, 2, 2, "replicated", backend=backend, chunks=2), np.float64)
-      np.testing.assert_array_equal(got, want, err_msg=str((scheme, dt, "tp")))
-p = problem("wna16", jnp.float32, seed=3)
-for bad in (0, -1, 1.5, True, "2"):
-  with pytest.raises(ValueError, match="overlap_chunks must be an int >= 1"):
-    sharded(p, 4, 1, "replicated", chunks=bad)
 print("ok")
 """
 
@@ -324,9 +295,9 @@ def _run(body: str, tmp_dir: str, devices: int = 4):
       f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}")
 
 
-@pytest.mark.parametrize("body", [_EP_TP, _CHUNKS, _EDGES, _RAGGED, _ERRORS, _BLOCKS],
-                         ids=["ep_tp_every_scheme", "overlap_chunks", "routing_edges",
-                              "ragged_emulated", "errors", "blocks"])
+@pytest.mark.parametrize("body", [_EP_TP, _EDGES, _RAGGED, _ERRORS, _BLOCKS],
+                         ids=["ep_tp_every_scheme", "routing_edges", "ragged_emulated", "errors",
+                              "blocks"])
 def test_sharded_experts_on_cpu_mesh(body, tmp_path):
   _run(body, str(tmp_path))
 
@@ -388,16 +359,6 @@ for scheme in ("wna16", "mxint4", "w4a8_int8"):
           # EP alone with an exchange: each pair once, with the one-GPU kernel's arithmetic,
           # combined in slot order (SPEC §13).
           assert exact or tp > 1 or d == "replicated", (scheme, t, name, ep, d, err)
-          if d == "replicated" and t == 301:  # the all-gather form in 3 token chunks
-            chunked = jax.jit(lambda x, l: sh.moe_sharded(x, l, layout, sarr, routing,
-                                                          dispatch=d, overlap_chunks=3))
-            got3 = np.asarray(chunked(x, lg), np.float64)
-            err3 = float(np.linalg.norm(got3 - got) / max(np.linalg.norm(got), 1e-30))
-            print(f"  3 chunks against 1: rel {err3:.2e} bit-identical "
-                  f"{bool(np.array_equal(got3, got))}", flush=True)
-            # The kernels' tiles follow the call's row count, so a smaller call may round
-            # differently (up to one bf16 ulp a row): SPEC §9's bound as above.
-            assert err3 <= tol, (scheme, name, ep, tp, err3)
 # Errors on a GPU mesh.
 import pytest
 odd = 64 * len(gpus) + 1

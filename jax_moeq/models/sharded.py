@@ -97,7 +97,6 @@ class ShardedMoE(_MoEBase):
     self.dispatch = dispatch
     self.capacity_factor = capacity_factor
     self.data_parallel = data_parallel
-    self.overlap_chunks = 1  # `moe_sharded`'s: chunks of the replicated all-gather form
     self.scheme = layout.scheme
     self.group_size = layout.group_size
     self.mesh = layout.mesh
@@ -123,8 +122,7 @@ class ShardedMoE(_MoEBase):
     tokens, logits, lead = self._flatten(x, router_logits)
     y = sharding.moe_sharded(tokens, logits, self.layout, self.sharded_arrays(),
                              self.spec.routing, self._correction_bias(),
-                             capacity_factor=self.capacity_factor, dispatch=self.dispatch,
-                             overlap_chunks=self.overlap_chunks)
+                             capacity_factor=self.capacity_factor, dispatch=self.dispatch)
     return self._batch_split(y.reshape(*lead, self.spec.hidden_size))
 
 
