@@ -48,6 +48,23 @@ def test_cpu_bench_runs_on_a_tiny_shape(tmp_path):
   assert "check at T=3: kernel vs jnp reference" in report
 
 
+def test_cpu_spread_probe_reports_calls_and_thread_placement():
+  probe = BENCH.parent / "cpu_spread_probe.py"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, str(probe), "--shape", "tiny", "--tokens", "16", "--layers", "2",
+         "--calls", "5", "--threads", "1", "--sample-ms", "0.5"]
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.strip().splitlines()
+  result = json.loads(lines[-2])
+  assert result["threads"] == 1 and len(result["calls_ms"]) == 5
+  m = result["ms_per_layer"]
+  assert 0 < m["min"] <= m["median"] <= m["max"]
+  assert result["samples"] >= 1 and 0 <= result["share_same_cpu"] <= 1
+  assert 0 <= result["share_smt_siblings"] <= 1 and result["cpus_seen"] >= 0
+  assert lines[-1].startswith(f"# process {result['pid']}: median ")
+
+
 def test_cpu_linear_bench_runs_on_a_tiny_shape():
   bench = BENCH.parent / "cpu_linear_bench.py"
   env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The spread of CPU MoE timings between processes, on a many-core host: the machine's topology,
+# then PROCS fresh processes of benchmarks/cpu_spread_probe.py (per-call times beside where the
+# kernel's threads ran), then optionally the chained-harness thread scaling of
+# cpu_moe_bench.py. Builds the CPU library for the host's Python first when it is missing.
+#   PROCS=6 PROBE_ARGS="--shape olmoe --tokens 512 --threads 16 --calls 40"
+#   SCALING=1 SCALING_ARGS="--shapes olmoe --tokens 1,8,128,512 --thread-scaling 1,2,4,8,16"
+#   WHEELS=dir: a directory of wheels (ORT >= 1.32) installed with --no-deps into a scratch
+#   target put on PYTHONPATH, for the scaling run's ORT column.
+#   LIMIT: seconds for everything (default 560); OUT=/tmp/cpu_spread
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cpu_spread}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+LIMIT=${LIMIT:-560}
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
+left() { echo $(( LIMIT - SECONDS )); }
+{
+  lscpu
+  echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+  echo "THP defrag: $(cat /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null)"
+  echo "governor: $(cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>/dev/null)"
+  echo "siblings of cpu0: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>/dev/null)"
+  nproc; uptime
+} >"$OUT/machine.txt" 2>&1
+grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node|L3|THP|governor|siblings" "$OUT/machine.txt"
+if ! "$PY" -c "from jax_moeq import _ffi; _ffi.cpu_module()" >/dev/null 2>&1; then
+  JOBS=$(nproc) JAX_MOEQ_CUDA=OFF bash scripts/dev_build.sh >"$OUT/build.log" 2>&1 ||
+    { tail -20 "$OUT/build.log"; echo "build: FAILED"; exit 1; }
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+for p in $(seq 1 "${PROCS:-6}"); do
+  [ "$(left)" -gt 60 ] || break
+  # shellcheck disable=SC2086
+  timeout "$(left)" "$PY" benchmarks/cpu_spread_probe.py ${PROBE_ARGS:---shape olmoe --tokens 512 \
+    --threads 16 --calls 40} 2>>"$OUT/probe.err" >"$OUT/probe_$p.txt"
+  grep "^{" "$OUT/probe_$p.txt" >>"$OUT/probe.jsonl"; grep "^# " "$OUT/probe_$p.txt" || tail -3 "$OUT/probe.err"
+done
+if [ "${SCALING:-0}" = 1 ] && [ "$(left)" -gt 90 ]; then
+  if [ -n "${WHEELS:-}" ]; then
+    "$PY" -m pip install -q --no-deps --no-index --target /tmp/spread_site "$WHEELS"/*.whl \
+      >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/spread_site"
+  fi
+  # shellcheck disable=SC2086
+  timeout "$(left)" "$PY" benchmarks/cpu_moe_bench.py ${SCALING_ARGS:---shapes olmoe \
+    --tokens 1,8,128,512 --thread-scaling 1,2,4,8,16 --target-seconds 0.5} \
+    >"$OUT/scaling.md" 2>"$OUT/scaling.log"
+  echo "scaling: exit $?"; cat "$OUT/scaling.md"
+fi
