@@ -4,6 +4,9 @@
 # kernel's threads ran), then optionally the chained-harness thread scaling of
 # cpu_moe_bench.py. Builds the CPU library for the host's Python first when it is missing.
 #   PROCS=6 PROBE_ARGS="--shape olmoe --tokens 512 --threads 16 --calls 40"
+#   VARIANTS: space-separated environment settings, each run in turn in every round (e.g.
+#   "JAX_MOEQ_CPU_WORKERS= JAX_MOEQ_CPU_WORKERS=15"); TOKENS: a list run in turn (default: the
+#   probe's own)
 #   SCALING=1 SCALING_ARGS="--shapes olmoe --tokens 1,8,128,512 --thread-scaling 1,2,4,8,16"
 #   WHEELS=dir: a directory of wheels (ORT >= 1.32) installed with --no-deps into a scratch
 #   target put on PYTHONPATH, for the scaling run's ORT column.
@@ -31,11 +34,17 @@ if ! "$PY" -c "from jax_moeq import _ffi; _ffi.cpu_module()" >/dev/null 2>&1; th
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 for p in $(seq 1 "${PROCS:-6}"); do
-  [ "$(left)" -gt 60 ] || break
-  # shellcheck disable=SC2086
-  timeout "$(left)" "$PY" benchmarks/cpu_spread_probe.py ${PROBE_ARGS:---shape olmoe --tokens 512 \
-    --threads 16 --calls 40} 2>>"$OUT/probe.err" >"$OUT/probe_$p.txt"
-  grep "^{" "$OUT/probe_$p.txt" >>"$OUT/probe.jsonl"; grep "^# " "$OUT/probe_$p.txt" || tail -3 "$OUT/probe.err"
+  for variant in ${VARIANTS:-JAX_MOEQ_CPU_WORKERS=}; do
+    for t in ${TOKENS:-default}; do
+      [ "$(left)" -gt 40 ] || break 3
+      tok=(); [ "$t" = default ] || tok=(--tokens "$t")
+      # shellcheck disable=SC2086
+      env "$variant" timeout "$(left)" "$PY" benchmarks/cpu_spread_probe.py ${PROBE_ARGS:---shape \
+        olmoe --tokens 512 --threads 16 --calls 40} "${tok[@]}" 2>>"$OUT/probe.err" >"$OUT/probe.txt"
+      grep "^{" "$OUT/probe.txt" >>"$OUT/probe.jsonl"
+      grep "^# " "$OUT/probe.txt" || tail -3 "$OUT/probe.err"
+    done
+  done
 done
 if [ "${SCALING:-0}" = 1 ] && [ "$(left)" -gt 90 ]; then
   if [ -n "${WHEELS:-}" ]; then

@@ -45,9 +45,10 @@ def core_of_cpu() -> dict[int, tuple[int, int]]:
   return out
 
 
-def runnable_threads(exclude: int) -> list[int]:
-  """The CPU each runnable thread of this process (but `exclude`) last ran on."""
-  cpus = []
+def runnable_threads(exclude: int) -> list[tuple[int, str]]:
+  """(CPU it last ran on, thread name) of each runnable thread of this process but `exclude`.
+  XLA's CPU pool threads are named tf_XLAEigen; the Python threads python."""
+  out = []
   for tid in os.listdir("/proc/self/task"):
     if int(tid) == exclude:
       continue
@@ -56,10 +57,11 @@ def runnable_threads(exclude: int) -> list[int]:
         stat = f.read()
     except OSError:
       continue
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
     fields = stat[stat.rindex(")") + 2:].split()
     if fields[0] == "R":
-      cpus.append(int(fields[36]))  # field 39 of stat(5), 'processor'
-  return cpus
+      out.append((int(fields[36]), name))  # field 39 of stat(5), 'processor'
+  return out
 
 
 class Sampler:
@@ -67,7 +69,7 @@ class Sampler:
 
   def __init__(self, period_s: float, cores: dict[int, tuple[int, int]]):
     self.period_s, self.cores = period_s, cores
-    self.samples: list[list[int]] = []
+    self.samples: list[list[tuple[int, str]]] = []
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -87,7 +89,11 @@ class Sampler:
 
   def summary(self) -> dict:
     runnable, same_cpu, same_core, cpus_seen = [], 0, 0, set()
-    for cpus in self.samples:
+    by_name: dict[str, list[int]] = {}
+    for sample in self.samples:
+      cpus = [c for c, _ in sample]
+      for name in {n for _, n in sample} | set(by_name):
+        by_name.setdefault(name, []).append(sum(n == name for _, n in sample))
       runnable.append(len(cpus))
       cpus_seen.update(cpus)
       if len(set(cpus)) < len(cpus):
@@ -101,7 +107,9 @@ class Sampler:
             "runnable_max": max(runnable, default=0),
             "share_same_cpu": same_cpu / n,
             "share_smt_siblings": same_core / n,
-            "cpus_seen": len(cpus_seen)}
+            "cpus_seen": len(cpus_seen),
+            "runnable_by_name": {name: {"mean": sum(v) / n, "max": max(v)}
+                                 for name, v in sorted(by_name.items())}}
 
 
 def main(argv=None) -> int:
@@ -152,15 +160,19 @@ def main(argv=None) -> int:
       "involuntary_switches_per_call": (after.ru_nivcsw - before.ru_nivcsw) / args.calls,
       "voluntary_switches_per_call": (after.ru_nvcsw - before.ru_nvcsw) / args.calls,
       "affinity_cpus": len(os.sched_getaffinity(0)),
+      "workers_env": os.environ.get("JAX_MOEQ_CPU_WORKERS"),
       "load": os.getloadavg()[0],
       **sampler.summary()}
   print(json.dumps(result), flush=True)
   m = result["ms_per_layer"]
-  print(f"# process {result['pid']}: median {m['median']:.2f} ms (min {m['min']:.2f}, max "
+  print(f"# process {result['pid']} (T={args.tokens}, JAX_MOEQ_CPU_WORKERS="
+        f"{result['workers_env'] or 'unset'}): median {m['median']:.2f} ms (min {m['min']:.2f}, max "
         f"{m['max']:.2f}); runnable {result['runnable_mean']:.1f} (max "
         f"{result['runnable_max']}), same CPU {100 * result['share_same_cpu']:.0f} %, SMT "
         f"siblings {100 * result['share_smt_siblings']:.0f} %, {result['cpus_seen']} CPUs, "
-        f"{result['involuntary_switches_per_call']:.0f} involuntary switches a call", flush=True)
+        f"{result['involuntary_switches_per_call']:.0f} involuntary switches a call; runnable by "
+        "name " + ", ".join(f"{k} {v['mean']:.1f} (max {v['max']})"
+                            for k, v in result["runnable_by_name"].items()), flush=True)
   return 0
 
 

@@ -62,7 +62,7 @@ def test_cpu_spread_probe_reports_calls_and_thread_placement():
   assert 0 < m["min"] <= m["median"] <= m["max"]
   assert result["samples"] >= 1 and 0 <= result["share_same_cpu"] <= 1
   assert 0 <= result["share_smt_siblings"] <= 1 and result["cpus_seen"] >= 0
-  assert lines[-1].startswith(f"# process {result['pid']}: median ")
+  assert lines[-1].startswith(f"# process {result['pid']} (T=16, JAX_MOEQ_CPU_WORKERS=")
 
 
 def test_cpu_linear_bench_runs_on_a_tiny_shape():

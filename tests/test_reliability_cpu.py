@@ -169,22 +169,63 @@ def test_bit_identical_whatever_the_xla_thread_count(tmp_path):
   this machine's cores is still a valid check: the work is split among them), on every ISA, for
   the op (twice each: run to run) and for fused_moe; decode, mid and prefill shapes."""
   results, stats = {}, {}
-  for n in (1, 2, 16):
-    path = tmp_path / f"out{n}.npz"
-    stats[n] = json.loads(run_fresh(_DETERMINISM, env={"PJRT_NPROC": str(n),
-                                                        "OUT_NPZ": str(path)}))
+  # "16/3": a pool of 16 with JAX_MOEQ_CPU_WORKERS=3 (at most 3 threads on one call).
+  for n in (1, 2, 16, "16/3"):
+    path = tmp_path / f"out{str(n).replace('/', '_')}.npz"
+    pool, _, cap = str(n).partition("/")
+    env = {"PJRT_NPROC": pool, "OUT_NPZ": str(path)}
+    if cap:
+      env["JAX_MOEQ_CPU_WORKERS"] = cap
+    stats[n] = json.loads(run_fresh(_DETERMINISM, env=env))
     with np.load(path) as f:
       results[n] = {k: f[k] for k in f.files}
-  for n in (1, 2, 16):
-    assert stats[n]["pool"] == n, stats
+  for n in (1, 2, 16, "16/3"):
+    assert stats[n]["pool"] == int(str(n).split("/")[0]), stats
   assert stats[16]["busy"] > 2, f"the kernel's work did not reach the 16-thread pool: {stats}"
   base = results[1]
   for name, value in base.items():
     rep0 = name[:-2] + "_0" if name.startswith("op") else None
     if rep0 is not None:
       np.testing.assert_array_equal(value, base[rep0], err_msg=f"{name}: run to run")
-    for n in (2, 16):
+    for n in (2, 16, "16/3"):
       np.testing.assert_array_equal(results[n][name], value, err_msg=f"{name}: 1 vs {n} threads")
+
+
+# A handler's error reaches Python as ValueError (INVALID_ARGUMENT at dispatch) or, when it
+# surfaces at a later wait, as JaxRuntimeError.
+_RUNTIME_ERRORS = (ValueError, jax.errors.JaxRuntimeError)
+
+
+def test_worker_cap_from_the_environment_is_checked(monkeypatch):
+  """JAX_MOEQ_CPU_WORKERS caps the threads on one call (read per call, by the MoE and the linear
+  handlers): a value that is not a positive integer is a clear error, not a crash."""
+  p = Problem(t=5, e=8, k=2, h=256, i=128, group_size=64, dtype=jnp.bfloat16, kind=0,
+              bias=False, on_input=False, duplicates=False, x_scale=1.0, seed=3)
+  f = p.kernel_jit()
+  want = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+  for good in ("1", "2", "1000", ""):
+    monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", good)
+    got = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+    np.testing.assert_array_equal(got, want, err_msg=good)
+  for bad in ("0", "-2", "four", "3x", "2 "):
+    monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", bad)
+    with pytest.raises(_RUNTIME_ERRORS, match=r"JAX_MOEQ_CPU_WORKERS='.*' is not a positive integer"):
+      jax.block_until_ready(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+  from jax_moeq.ops import w4a8_linear_cpu as lin
+  rng = np.random.default_rng(4)
+  q = rng.integers(-8, 8, (256, 128), dtype=np.int8)
+  scale = rng.uniform(0.01, 0.02, (256, 2)).astype(np.float32)
+  packed = lin.pack_w4a8_linear(jnp.asarray(q), jnp.asarray(scale), 64)
+  x = jnp.asarray(rng.standard_normal((3, 128)), jnp.bfloat16)
+  g = jax.jit(lambda x, w: lin.w4a8_linear(x, w, in_features=128, out_features=256,
+                                           group_size=64))
+  monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", "1")
+  want = np.asarray(g(x, packed))
+  monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", "2")
+  np.testing.assert_array_equal(np.asarray(g(x, packed)), want)
+  monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", "none")
+  with pytest.raises(_RUNTIME_ERRORS, match=r"JAX_MOEQ_CPU_WORKERS='none' is not a positive integer"):
+    jax.block_until_ready(g(x, packed))
 
 
 # ------------------------------------------------------------------ concurrency

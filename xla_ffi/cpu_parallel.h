@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "cpu/w4a8_moe.h"
@@ -14,8 +16,25 @@
 
 namespace jax_moeq::ffi_cpu {
 
-inline cpu::ParallelFor MakeParallelFor(xla::ffi::ThreadPool pool) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+// JAX_MOEQ_CPU_WORKERS=N (read per call, as JAX_MOEQ_CPU_ISA): at most N threads work on one
+// call, the calling thread included (unset or empty: the pool's size). Sets *error on a value
+// that is not a positive integer.
+inline int64_t WorkersFromEnv(int64_t pool_threads, std::string* error) {
+  const char* value = std::getenv("JAX_MOEQ_CPU_WORKERS");
+  if (value == nullptr || *value == '\0') return pool_threads;
+  char* end = nullptr;
+  const long long n = std::strtoll(value, &end, 10);
+  if (*end != '\0' || n < 1) {
+    *error = std::string("JAX_MOEQ_CPU_WORKERS='") + value + "' is not a positive integer";
+    return pool_threads;
+  }
+  return std::min<int64_t>(pool_threads, n);
+}
+
+// `max_workers`: WorkersFromEnv's cap (the pool's size by default).
+inline cpu::ParallelFor MakeParallelFor(xla::ffi::ThreadPool pool, int64_t max_workers = 0) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (max_workers > 0) threads = std::min(threads, max_workers);
   return [pool, threads](int64_t n, const std::function<void(int64_t, int64_t)>& body) mutable {
     if (n <= 0) return;
     const int64_t workers = std::min(threads, n);

@@ -57,7 +57,9 @@ ffi::Error W4A8LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   if (!error.empty()) return Invalid(error);
   const cpu::Isa isa = cpu::SelectIsa(&error);
   if (!error.empty()) return Invalid(error);
-  error = cpu::RunW4A8Linear(p, isa, MakeParallelFor(pool));
+  const int64_t workers = WorkersFromEnv(pool.num_threads(), &error);
+  if (!error.empty()) return Invalid(error);
+  error = cpu::RunW4A8Linear(p, isa, MakeParallelFor(pool, workers));
   if (!error.empty()) return Invalid(error);
   return ffi::Error::Success();
 }
