@@ -142,13 +142,15 @@ def main(argv=None) -> int:
                          [pick(j, l)[1] for l in range(args.layers)], packed)
   for j in range(3):
     jax.block_until_ready(call(j))
-  times = []
+  times, faults = [], []
   before = resource.getrusage(resource.RUSAGE_SELF)
   with Sampler(args.sample_ms / 1e3, core_of_cpu()) as sampler:
     for j in range(args.calls):
+      start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
       start = time.perf_counter()
       jax.block_until_ready(call(j))
       times.append((time.perf_counter() - start) / args.layers)
+      faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
   after = resource.getrusage(resource.RUSAGE_SELF)
   t = np.asarray(times) * 1e3
   result = {
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
                        "p10": float(np.percentile(t, 10)), "p90": float(np.percentile(t, 90)),
                        "max": float(t.max())},
       "calls_ms": [round(float(v), 3) for v in t],
+      "calls_minor_faults": faults,  # page faults during each call (first touches of memory)
       "involuntary_switches_per_call": (after.ru_nivcsw - before.ru_nivcsw) / args.calls,
       "voluntary_switches_per_call": (after.ru_nvcsw - before.ru_nvcsw) / args.calls,
       "affinity_cpus": len(os.sched_getaffinity(0)),
@@ -170,7 +173,9 @@ def main(argv=None) -> int:
         f"{m['max']:.2f}); runnable {result['runnable_mean']:.1f} (max "
         f"{result['runnable_max']}), same CPU {100 * result['share_same_cpu']:.0f} %, SMT "
         f"siblings {100 * result['share_smt_siblings']:.0f} %, {result['cpus_seen']} CPUs, "
-        f"{result['involuntary_switches_per_call']:.0f} involuntary switches a call; runnable by "
+        f"{result['involuntary_switches_per_call']:.0f} involuntary switches a call, "
+        f"{sum(faults) / len(faults):.0f} page faults a call (first call {faults[0]}, last "
+        f"{faults[-1]}); runnable by "
         "name " + ", ".join(f"{k} {v['mean']:.1f} (max {v['max']})"
                             for k, v in result["runnable_by_name"].items()), flush=True)
   return 0

@@ -14,7 +14,8 @@
 namespace jax_moeq::cpu {
 namespace {
 
-// Per calling thread, kept between calls (grown, never shrunk): bounded by the chunking.
+// Leased per call from ScratchPool, kept between calls (grown, never shrunk): bounded by the
+// chunking.
 struct LinearScratch {
   std::vector<int32_t> rows;
   std::vector<int8_t> q;
@@ -33,7 +34,8 @@ void ForRows(const ParallelFor& parallel_for, int64_t n, int64_t row_elements,
 
 // One chunk of rows (indexed in int32: W4A8LinearChunkRows).
 void RunChunk(const W4A8LinearProblem& p, Isa isa, const ParallelFor& parallel_for) {
-  static thread_local LinearScratch sc;
+  ScratchPool<LinearScratch>::Lease lease(ScratchPool<LinearScratch>::Get());
+  LinearScratch& sc = *lease;
   const int64_t M = p.rows, K = p.in_features, N = p.out_features;
   const PackedGemmShape shape{N, K, p.group_size == -1 ? K : p.group_size};
   const int64_t groups = shape.groups();

@@ -25,7 +25,7 @@ struct W4A8LinearProblem {
 
 // Largest out_features: a row's float32 GEMM output (4 N bytes) stays far inside the budget.
 inline constexpr int64_t kW4A8LinearMaxOutFeatures = int64_t{1} << 24;
-// Rows run in chunks whose scratch (per calling thread, kept between calls) fits this budget,
+// Rows run in chunks whose scratch (one set per concurrent call, kept) fits this budget,
 // with at least kW4A8LinearMinChunkRows rows per chunk. Each chunk streams the weights again;
 // the smallest chunk (64 rows) does ~8 multiply-adds per weight byte read, compute-bound on
 // the GEMM paths, so the extra passes cost little. Qwen3-30B-A3B LM head (N=151936, bf16):

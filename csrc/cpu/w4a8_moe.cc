@@ -19,10 +19,11 @@ namespace jax_moeq::cpu {
 namespace {
 
 // --------------------------------------------------------------- scratch
-// The most scratch bytes any one thread's Scratch has held (W4A8MoeScratchHighWater).
+// The most scratch bytes any one Scratch set has held (W4A8MoeScratchHighWater).
 std::atomic<int64_t> scratch_high_water{0};
 
-// Per calling thread, kept between calls (grown, never shrunk): bounded by the chunking below.
+// Leased per call from ScratchPool, kept between calls (grown, never shrunk): bounded by the
+// chunking below.
 struct Scratch {
   std::vector<int32_t> counts, offsets, sorted_slot, slot_pos, rows1, rows2;
   std::vector<int8_t> q1, q2;
@@ -235,7 +236,8 @@ void RunExperts(Isa isa, const std::vector<GemmItem>& items13,
 void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for) {
   const int64_t T = p.tokens, K = p.top_k, E = p.experts, H = p.hidden, I = p.intermediate;
   const int64_t slots = T * K;
-  static thread_local Scratch sc;
+  ScratchPool<Scratch>::Lease lease(ScratchPool<Scratch>::Get());
+  Scratch& sc = *lease;
   StageClock clock(parallel_for);
   int64_t bytes = 0;  // this call's scratch, for W4A8MoeScratchHighWater
   const PackedGemmShape shape13{2 * I, H, p.group_size == -1 ? H : p.group_size};

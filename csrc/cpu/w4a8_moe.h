@@ -41,7 +41,7 @@ inline constexpr int64_t kW4A8MaxFeatures = int64_t{1} << 20;
 // Largest top_k: (token, slot) pairs of a chunk of kW4A8MoeMinChunkTokens are
 // indexed in int32.
 inline constexpr int64_t kW4A8MaxTopK = int64_t{1} << 24;
-// The op runs its tokens in chunks whose scratch (per calling thread, kept
+// The op runs its tokens in chunks whose scratch (one set per concurrent call, kept
 // between calls) fits this budget, with at least kW4A8MoeMinChunkTokens tokens
 // per chunk: the scratch is bounded whatever the token count. Each chunk reads
 // the weights of the experts it hits again, so the budget is large enough that
