@@ -82,6 +82,8 @@ PYBIND11_MODULE(_cpu_ffi, m) {
         []() { return jax_moeq::cpu::kW4A8MoeScratchBudgetBytes; });
   m.def("w4a8_moe_scratch_high_water", &jax_moeq::cpu::W4A8MoeScratchHighWater,
         "The most scratch bytes one chunk of a W4A8 MoE call has held in this process.");
+  m.def("w4a8_moe_scratch_sets", &jax_moeq::cpu::W4A8MoeScratchSets,
+        "Scratch sets the W4A8 MoE op has made in this process (one per concurrent call).");
   m.def("w4a8_moe_profile", &jax_moeq::cpu::W4A8MoeProfileEnable, py::arg("enable"),
         "Turns the W4A8 MoE op's stage timing on or off (process-wide).");
   m.def("w4a8_moe_profile_take", []() {

@@ -444,6 +444,8 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
 
 int64_t W4A8MoeScratchHighWater() { return scratch_high_water.load(); }
 
+int64_t W4A8MoeScratchSets() { return ScratchPool<Scratch>::Get().Sets(); }
+
 const char* W4A8MoeStageName(int stage) {
   static const char* names[kNumStages] = {"route", "quantize", "gemm1", "activate", "gemm2",
                                           "experts", "combine"};

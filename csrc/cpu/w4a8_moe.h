@@ -69,6 +69,9 @@ int64_t W4A8MoeScratchBytesPerToken(const W4A8MoeProblem& problem);
 int64_t W4A8MoeChunkTokens(const W4A8MoeProblem& problem);
 // The largest scratch (bytes) one call's chunk has held so far in this process.
 int64_t W4A8MoeScratchHighWater();
+// The scratch sets the op has made in this process: the most calls that ran at once (not the
+// threads that ever called it).
+int64_t W4A8MoeScratchSets();
 
 // Where a call's time goes (benchmarks/cpu_moe_bench.py --time-split): while enabled, every
 // chunk adds its stages' wall times, and each parallel stage the time from its launch to the

@@ -49,10 +49,19 @@ class ScratchPool {
     return *pool;
   }
 
+  // Sets made so far: the most calls that ever held one at once.
+  int64_t Sets() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return sets_;
+  }
+
  private:
   std::unique_ptr<T> Take() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (free_.empty()) return std::make_unique<T>();
+    if (free_.empty()) {
+      ++sets_;
+      return std::make_unique<T>();
+    }
     std::unique_ptr<T> item = std::move(free_.back());
     free_.pop_back();
     return item;
@@ -64,6 +73,7 @@ class ScratchPool {
 
   std::mutex mutex_;
   std::vector<std::unique_ptr<T>> free_;
+  int64_t sets_ = 0;
 };
 
 inline size_t ElementBytes(ElementType t) { return t == ElementType::kF32 ? 4 : 2; }
