@@ -25,9 +25,8 @@ if ! ls jax_moeq/_cpu_ffi*.so >/dev/null 2>&1; then
   fi
 fi
 if [ -n "${WHEELS:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/cpu_ktk_site "$WHEELS"/*.whl || { echo "wheels: FAILED"; exit 1; }
-  export PYTHONPATH=/tmp/cpu_ktk_site${PYTHONPATH:+:$PYTHONPATH}
+  . benchmarks/_host_wheels.sh
+  use_wheels "$WHEELS" /tmp/cpu_ktk_site || { echo "wheels: FAILED"; exit 1; }
 fi
 export PYTHONPATH=$PWD:$PWD/$KTK${PYTHONPATH:+:$PYTHONPATH}
 lscpu | grep -E "Model name|^CPU\(s\)|L3|NUMA node\(s\)" | tee "$OUT/lscpu.txt"

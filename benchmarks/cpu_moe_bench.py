@@ -224,6 +224,15 @@ def ours_stack_fn(shape: Shape, group_size: int):
   return jax.jit(stack)
 
 
+def ring_call(stack, x, ring, packed):
+  """call(j) of `ours_stack_fn`'s stack over `packed`'s layers: call j runs layer l on routing
+  (j * layers + l) % len(ring), so every call takes fresh routings."""
+  layers = len(packed)
+  pick = lambda j, l: ring[(j * layers + l) % len(ring)]
+  return lambda j: stack(x, [pick(j, l)[0] for l in range(layers)],
+                         [pick(j, l)[1] for l in range(layers)], packed)
+
+
 def reference_fn(group_size: int):
   from jax_moeq import reference
   return jax.jit(lambda x, ids, w, q13, s13, q2, s2: reference.fused_moe_w4a8(
@@ -765,10 +774,8 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
                                                  args.ring), args.seed)
     x = jax.random.normal(jax.random.key(tokens), (tokens, h), jnp.float32).astype(jnp.bfloat16)
     x32 = np.asarray(x.astype(jnp.float32))
-    # Call j runs every layer l on routing (j * layers + l) % ring: fresh routings every call.
-    pick = lambda j, l: ring[(j * layers + l) % len(ring)]
-    ours_call = lambda j: ours_stack(x, [pick(j, l)[0] for l in range(layers)],
-                                     [pick(j, l)[1] for l in range(layers)], packed)
+    pick = lambda j, l: ring[(j * layers + l) % len(ring)]  # the peers' routings, as ours
+    ours_call = ring_call(ours_stack, x, ring, packed)
     calls = [ours_call]
     # Other kernel paths, each call under its JAX_MOEQ_CPU_ISA (read by the handler per call).
     for isa in args.isas[1:]:

@@ -48,8 +48,8 @@ for p in $(seq 1 "${PROCS:-6}"); do
 done
 if [ "${SCALING:-0}" = 1 ] && [ "$(left)" -gt 90 ]; then
   if [ -n "${WHEELS:-}" ]; then
-    "$PY" -m pip install -q --no-deps --no-index --target /tmp/spread_site "$WHEELS"/*.whl \
-      >"$OUT/wheels.log" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/spread_site"
+    . benchmarks/_host_wheels.sh
+    use_wheels "$WHEELS" /tmp/spread_site >"$OUT/wheels.log" 2>&1 || echo "wheels: FAILED"
   fi
   # shellcheck disable=SC2086
   timeout "$(left)" "$PY" benchmarks/cpu_moe_bench.py ${SCALING_ARGS:---shapes olmoe \

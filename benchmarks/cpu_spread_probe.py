@@ -14,6 +14,7 @@ and the process's involuntary context switches per call. One JSON line on stdout
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -89,11 +90,12 @@ class Sampler:
 
   def summary(self) -> dict:
     runnable, same_cpu, same_core, cpus_seen = [], 0, 0, set()
-    by_name: dict[str, list[int]] = {}
+    name_total, name_max = collections.Counter(), collections.Counter()
     for sample in self.samples:
       cpus = [c for c, _ in sample]
-      for name in {n for _, n in sample} | set(by_name):
-        by_name.setdefault(name, []).append(sum(n == name for _, n in sample))
+      for name, count in collections.Counter(n for _, n in sample).items():
+        name_total[name] += count
+        name_max[name] = max(name_max[name], count)
       runnable.append(len(cpus))
       cpus_seen.update(cpus)
       if len(set(cpus)) < len(cpus):
@@ -108,8 +110,8 @@ class Sampler:
             "share_same_cpu": same_cpu / n,
             "share_smt_siblings": same_core / n,
             "cpus_seen": len(cpus_seen),
-            "runnable_by_name": {name: {"mean": sum(v) / n, "max": max(v)}
-                                 for name, v in sorted(by_name.items())}}
+            "runnable_by_name": {name: {"mean": name_total[name] / n, "max": name_max[name]}
+                                 for name in sorted(name_total)}}
 
 
 def main(argv=None) -> int:
@@ -137,9 +139,7 @@ def main(argv=None) -> int:
   ring = bench.routing_ring(shape, args.tokens, 16, args.seed)
   stack = bench.ours_stack_fn(shape, args.group_size)
   x = jax.random.normal(jax.random.key(0), (args.tokens, h)).astype(jax.numpy.bfloat16)
-  pick = lambda j, l: ring[(j * args.layers + l) % len(ring)]
-  call = lambda j: stack(x, [pick(j, l)[0] for l in range(args.layers)],
-                         [pick(j, l)[1] for l in range(args.layers)], packed)
+  call = bench.ring_call(stack, x, ring, packed)
   for j in range(3):
     jax.block_until_ready(call(j))
   times, faults = [], []

@@ -31,10 +31,10 @@ inline int64_t WorkersFromEnv(int64_t pool_threads, std::string* error) {
   return std::min<int64_t>(pool_threads, n);
 }
 
-// `max_workers`: WorkersFromEnv's cap (the pool's size by default).
-inline cpu::ParallelFor MakeParallelFor(xla::ffi::ThreadPool pool, int64_t max_workers = 0) {
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (max_workers > 0) threads = std::min(threads, max_workers);
+// `workers`: the threads one call may use, the caller included (WorkersFromEnv: at most the
+// pool's size).
+inline cpu::ParallelFor MakeParallelFor(xla::ffi::ThreadPool pool, int64_t workers) {
+  const int64_t threads = std::max<int64_t>(1, workers);
   return [pool, threads](int64_t n, const std::function<void(int64_t, int64_t)>& body) mutable {
     if (n <= 0) return;
     const int64_t workers = std::min(threads, n);
