@@ -882,8 +882,9 @@ def _with_isa(isa: str, call):
 def time_split(call, *, calls: int, layers: int, threads: int) -> str:
   """Where a layer's time goes, from the kernel's own stage clock (µs per layer, mean over
   `calls` calls of `layers` layers): each stage's wall time and, for the parallel ones, the
-  launch-to-first-piece dispatch, the mean busy time per thread, and the last-piece-to-return
-  join. What is left of a stage's wall time is imbalance (threads idle while others finish)."""
+  launch-to-first-piece dispatch, the mean busy time per thread, the last-piece-to-return
+  join, the threads that ran pieces, when the last of them started its first piece, and each
+  one's mean idle time between its last piece and the stage's last. What is left of a stage's wall time is imbalance (threads idle while others finish)."""
   from jax_moeq import _ffi
   module = _ffi.cpu_module()
   _timing.block(call(0))
@@ -901,9 +902,13 @@ def time_split(call, *, calls: int, layers: int, threads: int) -> str:
     kernel += us(t["wall_ns"])
     if t["pieces"]:
       busy = us(t["busy_ns"]) / threads
+      ran = t["threads"] / (calls * layers)
+      tail = t["idle_tail_ns"] / max(1, t["threads"]) / 1e3
+      spread = (f" on {ran:.1f} threads, last thread in at {us(t['late_start_ns']):.0f}, idle "
+                f"tail/thread {tail:.0f}") if t["threads"] else ""
       parts.append(f"{name} {us(t['wall_ns']):.0f} (dispatch {us(t['dispatch_ns']):.0f}, busy/thread "
                    f"{busy:.0f}, join {us(t['join_ns']):.0f}, {t['pieces'] / (calls * layers):.0f} "
-                   "pieces)")
+                   f"pieces{spread})")
     else:
       parts.append(f"{name} {us(t['wall_ns']):.0f}")
   return (f"time split (µs per layer, {threads} threads, {calls} calls of {layers} layers): layer "

@@ -142,6 +142,26 @@ def test_simd_paths_agree(isa, monkeypatch):
   assert rel_err(w4a8_cpu.dynamic_4bit_int_moe(*args), base) < 1e-5
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype,on_input", [(jnp.bfloat16, False), (jnp.float32, True)])
+def test_decode_region_matches_staged_path(isa, dtype, on_input, monkeypatch):
+  """Calls of at most 64 routed pairs run GEMM1, activation, GEMM2 and the combine (per GEMM2
+  column range) as one region; larger calls run them as stages. Tokens are independent, so 4
+  tokens alone (32 pairs, one of them out of range) equal, bit for bit, the same 4 tokens at the
+  head of a 12-token call (96 pairs)."""
+  monkeypatch.setenv("JAX_MOEQ_CPU_ISA", isa)
+  H, I, E, K = 256, 128, 16, 8
+  p = make_problem(21, T=12, E=E, K=K, H=H, I=I, group_size=64, dtype=dtype, bias=True)
+  ids = p["topk_ids"].at[1, 3].set(E + 5)
+  f = jax.jit(lambda x, i, w: w4a8_cpu._ffi_moe(
+      x, i, w, p["w13_packed"], p["w2_packed"], H=H, I=I, group_size=64,
+      apply_router_weight_on_input=on_input, activation_kind=0))
+  staged = np.asarray(f(p["x"], ids, p["topk_weights"]), np.float32)
+  region = np.asarray(f(p["x"][:4], ids[:4], p["topk_weights"][:4]), np.float32)
+  assert np.isfinite(region).all()
+  np.testing.assert_array_equal(region, staged[:4])
+
+
 def test_matches_unquantized_moe_within_quantization_noise():
   """Kernel on quantize_int4'd float experts vs the float MoE: int4 weights
   (~1/15 of the group range per step) and int8 activations leave ~10 % noise

@@ -97,6 +97,9 @@ PYBIND11_MODULE(_cpu_ffi, m) {
       d["busy_ns"] = t.busy_ns[s];
       d["join_ns"] = t.join_ns[s];
       d["pieces"] = t.pieces[s];
+      d["threads"] = t.threads[s];
+      d["late_start_ns"] = t.late_start_ns[s];
+      d["idle_tail_ns"] = t.idle_tail_ns[s];
       stages[cpu::W4A8MoeStageName(s)] = d;
     }
     py::dict out;
@@ -104,7 +107,7 @@ PYBIND11_MODULE(_cpu_ffi, m) {
     out["stages"] = stages;
     return out;
   }, "Stage times (ns, summed) since the last take, then zeroed: {'chunks', 'stages': {name: "
-     "{wall_ns, dispatch_ns, busy_ns, join_ns, pieces}}}.");
+     "{wall_ns, dispatch_ns, busy_ns, join_ns, pieces, threads, late_start_ns, idle_tail_ns}}}.");
   m.def("w4a8_linear_chunk_rows",
         [](int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
            const std::string& dtype) {

@@ -55,6 +55,39 @@ int64_t NowNs() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// Each thread's first piece start and last piece end in one parallel stage (profiling only).
+// Threads are told apart by a process-wide index given on their first piece.
+class ThreadSpans {
+ public:
+  ThreadSpans() {
+    for (auto& f : first_) f.store(INT64_MAX, std::memory_order_relaxed);
+  }
+  void Note(int64_t start, int64_t stop) {
+    static std::atomic<int32_t> next_index{0};
+    thread_local const int32_t index = next_index.fetch_add(1, std::memory_order_relaxed);
+    const int32_t slot = index % kSlots;
+    AtomicMin(first_[slot], start);
+    AtomicMax(last_[slot], stop);
+  }
+  // Adds the latest first start (after `launch`) and the summed idle tails (before `end`).
+  void AddTo(W4A8MoeStage stage, int64_t launch, int64_t end, W4A8MoeStageTimes* times) const {
+    int64_t latest_start = launch;
+    for (int i = 0; i < kSlots; ++i) {
+      const int64_t first = first_[i].load(std::memory_order_relaxed);
+      if (first == INT64_MAX) continue;
+      latest_start = std::max(latest_start, first);
+      times->idle_tail_ns[stage] += end - last_[i].load(std::memory_order_relaxed);
+      times->threads[stage] += 1;
+    }
+    times->late_start_ns[stage] += latest_start - launch;
+  }
+
+ private:
+  static constexpr int kSlots = 256;
+  std::atomic<int64_t> first_[kSlots] = {};
+  std::atomic<int64_t> last_[kSlots] = {};
+};
+
 // One chunk's stage times, added to the process sums when the chunk ends.
 class StageClock {
  public:
@@ -85,10 +118,13 @@ class StageClock {
     }
     For(stage, rows, body);
   }
-  // parallel_for, timed as `stage` when profiling: dispatch, busy and join (see the header).
+  // parallel_for, timed as `stage` when profiling: dispatch, busy and join (see the header), and
+  // per thread that ran pieces its first start and last end (the header's late start and idle
+  // tail).
   void For(W4A8MoeStage stage, int64_t n, const std::function<void(int64_t, int64_t)>& body) {
     if (!on_) return inner_(n, body);
     std::atomic<int64_t> first_start{INT64_MAX}, last_end{0}, busy{0}, pieces{0};
+    ThreadSpans spans;
     const int64_t launch = NowNs();
     inner_(n, [&](int64_t begin, int64_t end) {
       const int64_t start = NowNs();
@@ -98,6 +134,7 @@ class StageClock {
       AtomicMax(last_end, stop);
       busy.fetch_add(stop - start, std::memory_order_relaxed);
       pieces.fetch_add(1, std::memory_order_relaxed);
+      spans.Note(start, stop);
     });
     const int64_t returned = NowNs();
     if (pieces.load() == 0) return;
@@ -105,6 +142,7 @@ class StageClock {
     times_.busy_ns[stage] += busy.load();
     times_.join_ns[stage] += returned - last_end.load();
     times_.pieces[stage] += pieces.load();
+    spans.AddTo(stage, launch, last_end.load(), &times_);
   }
   ~StageClock() {
     if (!on_) return;
@@ -116,6 +154,9 @@ class StageClock {
       profile_sums.busy_ns[s] += times_.busy_ns[s];
       profile_sums.join_ns[s] += times_.join_ns[s];
       profile_sums.pieces[s] += times_.pieces[s];
+      profile_sums.threads[s] += times_.threads[s];
+      profile_sums.late_start_ns[s] += times_.late_start_ns[s];
+      profile_sums.idle_tail_ns[s] += times_.idle_tail_ns[s];
     }
   }
 
@@ -188,17 +229,21 @@ void RunGemmPass(Isa isa, const std::vector<GemmItem>& items, const GemmPass& pa
 // larger calls keep three stages.
 constexpr int64_t kFusedExpertsMaxPairs = 64;
 
-// GEMM1, the activation and GEMM2 as one parallel region, so that no thread waits at the end of
-// GEMM1 for the slowest one and the activation overlaps the weight stream: items run in the
-// order GEMM1 (every expert), then GEMM2; the thread that finishes an expert's last GEMM1 item
-// runs that expert's activation rows, and a GEMM2 item waits for its expert's activation. The
-// ParallelFor hands out pieces in index order (its contract), so an item waits only for items
-// already taken by running threads: no deadlock, whatever the thread count.
+// GEMM1, the activation, GEMM2 and the combine as one parallel region, so that no thread waits
+// at the end of GEMM1 for the slowest one and the row stages overlap the weight stream: items
+// run in the order GEMM1 (every expert), then GEMM2; the thread that finishes an expert's last
+// GEMM1 item runs that expert's activation rows, a GEMM2 item waits for its expert's
+// activation, and the thread that finishes the last GEMM2 item of a column range (every expert's
+// items share the ranges) combines every token's slots over those columns. The ParallelFor hands
+// out pieces in index order (its contract), so an item waits only for items already taken by
+// running threads: no deadlock, whatever the thread count.
 void RunExperts(Isa isa, const std::vector<GemmItem>& items13,
                 const std::vector<GemmItem>& items2, const GemmPass& pass13,
                 const GemmPass& pass2, const std::vector<int32_t>& counts,
                 const std::vector<int32_t>& offsets,
-                const std::function<void(int64_t, int64_t)>& activate, StageClock& clock) {
+                const std::function<void(int64_t, int64_t)>& activate,
+                const std::function<void(int64_t, int64_t)>& combine_columns,
+                StageClock& clock) {
   const int64_t experts = static_cast<int64_t>(counts.size());
   std::unique_ptr<std::atomic<int32_t>[]> gemm1_left(new std::atomic<int32_t>[experts]);
   std::unique_ptr<std::atomic<int32_t>[]> activated(new std::atomic<int32_t>[experts]);
@@ -208,6 +253,13 @@ void RunExperts(Isa isa, const std::vector<GemmItem>& items13,
   }
   for (const GemmItem& item : items13) {
     gemm1_left[item.expert].fetch_add(1, std::memory_order_relaxed);
+  }
+  // GEMM2 items left per column range, indexed by the range's first tile.
+  const int64_t tiles2 = pass2.shape.n / kTileRows;
+  std::unique_ptr<std::atomic<int32_t>[]> gemm2_left(new std::atomic<int32_t>[tiles2]);
+  for (int64_t t = 0; t < tiles2; ++t) gemm2_left[t].store(0, std::memory_order_relaxed);
+  for (const GemmItem& item : items2) {
+    gemm2_left[item.tile_begin].fetch_add(1, std::memory_order_relaxed);
   }
   const int64_t n13 = static_cast<int64_t>(items13.size());
   const int64_t n = n13 + static_cast<int64_t>(items2.size());
@@ -227,6 +279,9 @@ void RunExperts(Isa isa, const std::vector<GemmItem>& items13,
           std::this_thread::yield();
         }
         RunGemmItem(isa, pass2, item, counts, offsets);
+        if (gemm2_left[item.tile_begin].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          combine_columns(item.tile_begin * kTileRows, item.tile_end * kTileRows);
+        }
       }
     }
   });
@@ -323,8 +378,31 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
                         QuantizedActivations{q1, s1, zp1, sum1}, rows1, y13};
   const GemmPass pass2{p.w2_packed, shape2.total_bytes(), shape2,
                        QuantizedActivations{q2, s2, zp2, sum2}, rows2, y2};
-  if (routed <= kFusedExpertsMaxPairs) {
-    RunExperts(isa, items13, items2, pass13, pass2, sc.counts, sc.offsets, activate, clock);
+  // Stage 5: weighted sum over slots, in slot order, in the output dtype; over a range of
+  // columns, so that the decode region can run it per GEMM2 column range (the same arithmetic,
+  // element by element).
+  const size_t out_bytes = ElementBytes(p.dtype);
+  auto combine_tokens = [&](int64_t t_begin, int64_t t_end, int64_t col_begin, int64_t col_end) {
+    const int64_t cols = col_end - col_begin;
+    std::vector<float> acc(cols);
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t slot = t * K + k;
+        if (slot_pos[slot] < 0) continue;  // expert id out of range
+        ops.accumulate(p.dtype, y2 + static_cast<int64_t>(slot_pos[slot]) * H + col_begin,
+                       p.topk_weights[slot], !per_slot, acc.data(), cols);
+      }
+      ops.store(p.dtype, acc.data(), cols,
+                static_cast<char*>(p.out) + (t * H + col_begin) * out_bytes, 0);
+    }
+  };
+  if (routed <= kFusedExpertsMaxPairs && routed > 0) {
+    RunExperts(isa, items13, items2, pass13, pass2, sc.counts, sc.offsets, activate,
+               [&](int64_t col_begin, int64_t col_end) {
+                 combine_tokens(0, T, col_begin, col_end);
+               },
+               clock);
     clock.Mark(kStageExperts);
   } else {
     RunGemmPass(isa, items13, pass13, sc.counts, sc.offsets, clock, kStageGemm1);
@@ -333,22 +411,10 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     clock.Mark(kStageActivate);
     RunGemmPass(isa, items2, pass2, sc.counts, sc.offsets, clock, kStageGemm2);
     clock.Mark(kStageGemm2);
+    clock.ForRows(kStageCombine, T, K * H, [&](int64_t begin, int64_t end) {
+      combine_tokens(begin, end, 0, H);
+    });
   }
-
-  // Stage 5: weighted sum over slots, in slot order, in the output dtype.
-  clock.ForRows(kStageCombine, T, K * H, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(H);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t slot = t * K + k;
-        if (slot_pos[slot] < 0) continue;  // expert id out of range
-        ops.accumulate(p.dtype, y2 + static_cast<int64_t>(slot_pos[slot]) * H,
-                       p.topk_weights[slot], !per_slot, acc.data(), H);
-      }
-      ops.store(p.dtype, acc.data(), H, p.out, t);
-    }
-  });
   clock.Mark(kStageCombine);
   NoteScratchBytes(bytes);
 }

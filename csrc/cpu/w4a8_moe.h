@@ -78,7 +78,10 @@ int64_t W4A8MoeScratchSets();
 // first piece starting on any thread (dispatch), the pieces' summed run time (busy), and the
 // time from the last piece ending to the launch returning (join). Off by default; a few clock
 // reads per stage when on.
-// "experts": GEMM1, the gated activation and GEMM2 as one parallel region (decode-sized
+// Per thread that ran pieces (summed over chunks): threads, the latest first start after the
+// launch (late_start: how long the last thread to join took to start), and each thread's idle
+// time from its last piece's end to the stage's last end (idle_tail).
+// "experts": GEMM1, the gated activation, GEMM2 and the combine as one parallel region (decode-sized
 // calls); larger calls time them as gemm1, activate and gemm2.
 enum W4A8MoeStage { kStageRoute, kStageQuantize, kStageGemm1, kStageActivate, kStageGemm2,
                     kStageExperts, kStageCombine, kNumStages };
@@ -89,6 +92,9 @@ struct W4A8MoeStageTimes {
   int64_t busy_ns[kNumStages] = {};
   int64_t join_ns[kNumStages] = {};
   int64_t pieces[kNumStages] = {};
+  int64_t threads[kNumStages] = {};
+  int64_t late_start_ns[kNumStages] = {};
+  int64_t idle_tail_ns[kNumStages] = {};
 };
 const char* W4A8MoeStageName(int stage);
 void W4A8MoeProfileEnable(bool on);
