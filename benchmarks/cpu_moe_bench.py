@@ -902,10 +902,10 @@ def time_split(call, *, calls: int, layers: int, threads: int) -> str:
     kernel += us(t["wall_ns"])
     if t["pieces"]:
       busy = us(t["busy_ns"]) / threads
-      ran = t["threads"] / (calls * layers)
-      tail = t["idle_tail_ns"] / max(1, t["threads"]) / 1e3
+      ran = t.get("threads", 0) / (calls * layers)  # absent from libraries before a1b739f
+      tail = t.get("idle_tail_ns", 0) / max(1, t.get("threads", 0)) / 1e3
       spread = (f" on {ran:.1f} threads, last thread in at {us(t['late_start_ns']):.0f}, idle "
-                f"tail/thread {tail:.0f}") if t["threads"] else ""
+                f"tail/thread {tail:.0f}") if ran else ""
       parts.append(f"{name} {us(t['wall_ns']):.0f} (dispatch {us(t['dispatch_ns']):.0f}, busy/thread "
                    f"{busy:.0f}, join {us(t['join_ns']):.0f}, {t['pieces'] / (calls * layers):.0f} "
                    f"pieces{spread})")
