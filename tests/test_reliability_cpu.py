@@ -169,25 +169,30 @@ def test_bit_identical_whatever_the_xla_thread_count(tmp_path):
   this machine's cores is still a valid check: the work is split among them), on every ISA, for
   the op (twice each: run to run) and for fused_moe; decode, mid and prefill shapes."""
   results, stats = {}, {}
-  # "16/3": a pool of 16 with JAX_MOEQ_CPU_WORKERS=3 (at most 3 threads on one call).
-  for n in (1, 2, 16, "16/3"):
+  # "16/3": a pool of 16 with JAX_MOEQ_CPU_WORKERS=3 (at most 3 threads on one call); "16s":
+  # a pool of 16 whose workers wait for the next call (JAX_MOEQ_CPU_SPIN_US), taking seats in
+  # calls of other threads.
+  cases = (1, 2, 16, "16/3", "16s")
+  for n in cases:
     path = tmp_path / f"out{str(n).replace('/', '_')}.npz"
-    pool, _, cap = str(n).partition("/")
+    pool, _, cap = str(n).rstrip("s").partition("/")
     env = {"PJRT_NPROC": pool, "OUT_NPZ": str(path)}
     if cap:
       env["JAX_MOEQ_CPU_WORKERS"] = cap
+    if str(n).endswith("s"):
+      env["JAX_MOEQ_CPU_SPIN_US"] = "5000"
     stats[n] = json.loads(run_fresh(_DETERMINISM, env=env))
     with np.load(path) as f:
       results[n] = {k: f[k] for k in f.files}
-  for n in (1, 2, 16, "16/3"):
-    assert stats[n]["pool"] == int(str(n).split("/")[0]), stats
+  for n in cases:
+    assert stats[n]["pool"] == int(str(n).rstrip("s").split("/")[0]), stats
   assert stats[16]["busy"] > 2, f"the kernel's work did not reach the 16-thread pool: {stats}"
   base = results[1]
   for name, value in base.items():
     rep0 = name[:-2] + "_0" if name.startswith("op") else None
     if rep0 is not None:
       np.testing.assert_array_equal(value, base[rep0], err_msg=f"{name}: run to run")
-    for n in (2, 16, "16/3"):
+    for n in cases[1:]:
       np.testing.assert_array_equal(results[n][name], value, err_msg=f"{name}: 1 vs {n} threads")
 
 
@@ -226,6 +231,24 @@ def test_worker_cap_from_the_environment_is_checked(monkeypatch):
   monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", "none")
   with pytest.raises(_RUNTIME_ERRORS, match=r"JAX_MOEQ_CPU_WORKERS='none' is not a positive integer"):
     jax.block_until_ready(g(x, packed))
+
+
+def test_spin_from_the_environment_is_checked(monkeypatch):
+  """JAX_MOEQ_CPU_SPIN_US (read per call) keeps workers for the next call: the same bytes with it
+  on and off, back to back, and a value that is not an integer in [0, 1e6] is a clear error."""
+  p = Problem(t=5, e=8, k=2, h=256, i=128, group_size=64, dtype=jnp.bfloat16, kind=0,
+              bias=False, on_input=False, duplicates=False, x_scale=1.0, seed=5)
+  f = p.kernel_jit()
+  want = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+  for good in ("0", "2000", "", "2000", "0"):
+    monkeypatch.setenv("JAX_MOEQ_CPU_SPIN_US", good)
+    for _ in range(3):
+      got = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+      np.testing.assert_array_equal(got, want, err_msg=good)
+  for bad in ("-1", "1000001", "fast", "20us", "5 "):
+    monkeypatch.setenv("JAX_MOEQ_CPU_SPIN_US", bad)
+    with pytest.raises(_RUNTIME_ERRORS, match=r"JAX_MOEQ_CPU_SPIN_US='.*' is not an integer"):
+      jax.block_until_ready(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
 
 
 # ------------------------------------------------------------------ concurrency
@@ -308,14 +331,17 @@ def _run_together(calls, rounds: int = 3):
 _CALLS = []
 
 
+@pytest.mark.parametrize("spin", ["", "3000"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_concurrent_calls_match_serial(isa):
+def test_concurrent_calls_match_serial(isa, spin, monkeypatch):
   """8 threads at once (jitted op, fused_moe, QuantizedMoE block; T from 1 to 92; every dtype;
   router weight on input or output), 3 rounds: every result equals the serial call's bit for
-  bit."""
+  bit; also with workers that wait for the next call (JAX_MOEQ_CPU_SPIN_US) and so take seats
+  in other threads' calls."""
   if not _CALLS:  # built once: the jitted functions compile once for every path
     _CALLS.extend(_entry_point(i) for i in range(THREADS))
   calls = _CALLS
+  monkeypatch.setenv("JAX_MOEQ_CPU_SPIN_US", spin)
   with forced_isa(isa):
     serial = [np.asarray(c()) for c in calls]
     together = _run_together(calls)
