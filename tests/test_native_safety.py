@@ -307,6 +307,18 @@ def _cxx():
   return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
+def _run_under_thread_sanitizer(exe: Path) -> None:
+  """Runs a harness built with -fsanitize=thread: it must print "ok" and report no race (skips
+  where the system cannot run ThreadSanitizer)."""
+  env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+  env["TSAN_OPTIONS"] = "halt_on_error=1 exitcode=66"
+  proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600, env=env)
+  if "unexpected memory mapping" in proc.stderr or "FATAL: ThreadSanitizer" in proc.stderr:
+    pytest.skip("ThreadSanitizer cannot run on this system: " + proc.stderr.splitlines()[0])
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.startswith("ok"), proc.stdout
+
+
 @pytest.mark.skipif(_cxx() is None, reason="no C++ compiler")
 @pytest.mark.skipif(os.environ.get("LD_PRELOAD", "").find("asan") >= 0,
                     reason="ThreadSanitizer cannot run beside a preloaded AddressSanitizer")
@@ -334,13 +346,7 @@ def test_cpu_kernel_from_16_threads_under_thread_sanitizer(tmp_path):
   link = subprocess.run([cxx, "-fsanitize=thread", "-pthread", *map(str, tmp_path.glob("*.o")),
                          "-o", str(exe)], capture_output=True, text=True, timeout=300)
   assert link.returncode == 0, link.stderr
-  env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-  env["TSAN_OPTIONS"] = "halt_on_error=1 exitcode=66"
-  proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600, env=env)
-  if "unexpected memory mapping" in proc.stderr or "FATAL: ThreadSanitizer" in proc.stderr:
-    pytest.skip("ThreadSanitizer cannot run on this system: " + proc.stderr.splitlines()[0])
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert proc.stdout.startswith("ok"), proc.stdout
+  _run_under_thread_sanitizer(exe)
 
 
 _JOBS_HARNESS = r"""
@@ -452,10 +458,4 @@ def test_parallel_for_with_spinning_workers_under_thread_sanitizer(tmp_path):
                           f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'xla_ffi'}", str(tmp_path / "jobs.cc"),
                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
   assert build.returncode == 0, build.stderr
-  env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-  env["TSAN_OPTIONS"] = "halt_on_error=1 exitcode=66"
-  proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600, env=env)
-  if "unexpected memory mapping" in proc.stderr or "FATAL: ThreadSanitizer" in proc.stderr:
-    pytest.skip("ThreadSanitizer cannot run on this system: " + proc.stderr.splitlines()[0])
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert proc.stdout.startswith("ok"), proc.stdout
+  _run_under_thread_sanitizer(exe)

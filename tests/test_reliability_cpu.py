@@ -201,21 +201,30 @@ def test_bit_identical_whatever_the_xla_thread_count(tmp_path):
 _RUNTIME_ERRORS = (ValueError, jax.errors.JaxRuntimeError)
 
 
+def _check_setting(monkeypatch, name: str, good, bad, message: str, seed: int):
+  """The op under `name`=each of `good` (each three times) gives the bytes it gives unset; each of
+  `bad` is a clear error naming the variable and the value."""
+  p = Problem(t=5, e=8, k=2, h=256, i=128, group_size=64, dtype=jnp.bfloat16, kind=0,
+              bias=False, on_input=False, duplicates=False, x_scale=1.0, seed=seed)
+  f = p.kernel_jit()
+  monkeypatch.delenv(name, raising=False)
+  want = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+  for value in good:
+    monkeypatch.setenv(name, value)
+    for _ in range(3):
+      got = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+      np.testing.assert_array_equal(got, want, err_msg=value)
+  for value in bad:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(_RUNTIME_ERRORS, match=rf"{name}='.*' {message}"):
+      jax.block_until_ready(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+
+
 def test_worker_cap_from_the_environment_is_checked(monkeypatch):
   """JAX_MOEQ_CPU_WORKERS caps the threads on one call (read per call, by the MoE and the linear
   handlers): a value that is not a positive integer is a clear error, not a crash."""
-  p = Problem(t=5, e=8, k=2, h=256, i=128, group_size=64, dtype=jnp.bfloat16, kind=0,
-              bias=False, on_input=False, duplicates=False, x_scale=1.0, seed=3)
-  f = p.kernel_jit()
-  want = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
-  for good in ("1", "2", "1000", ""):
-    monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", good)
-    got = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
-    np.testing.assert_array_equal(got, want, err_msg=good)
-  for bad in ("0", "-2", "four", "3x", "2 "):
-    monkeypatch.setenv("JAX_MOEQ_CPU_WORKERS", bad)
-    with pytest.raises(_RUNTIME_ERRORS, match=r"JAX_MOEQ_CPU_WORKERS='.*' is not a positive integer"):
-      jax.block_until_ready(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+  _check_setting(monkeypatch, "JAX_MOEQ_CPU_WORKERS", ("1", "2", "1000", ""),
+                 ("0", "-2", "four", "3x", "2 "), "is not a positive integer", seed=3)
   from jax_moeq.ops import w4a8_linear_cpu as lin
   rng = np.random.default_rng(4)
   q = rng.integers(-8, 8, (256, 128), dtype=np.int8)
@@ -236,19 +245,8 @@ def test_worker_cap_from_the_environment_is_checked(monkeypatch):
 def test_spin_from_the_environment_is_checked(monkeypatch):
   """JAX_MOEQ_CPU_SPIN_US (read per call) keeps workers for the next call: the same bytes with it
   on and off, back to back, and a value that is not an integer in [0, 1e6] is a clear error."""
-  p = Problem(t=5, e=8, k=2, h=256, i=128, group_size=64, dtype=jnp.bfloat16, kind=0,
-              bias=False, on_input=False, duplicates=False, x_scale=1.0, seed=5)
-  f = p.kernel_jit()
-  want = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
-  for good in ("0", "2000", "", "2000", "0"):
-    monkeypatch.setenv("JAX_MOEQ_CPU_SPIN_US", good)
-    for _ in range(3):
-      got = np.asarray(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
-      np.testing.assert_array_equal(got, want, err_msg=good)
-  for bad in ("-1", "1000001", "fast", "20us", "5 "):
-    monkeypatch.setenv("JAX_MOEQ_CPU_SPIN_US", bad)
-    with pytest.raises(_RUNTIME_ERRORS, match=r"JAX_MOEQ_CPU_SPIN_US='.*' is not an integer"):
-      jax.block_until_ready(f(p.x, p.ids, p.tw, p.w13_packed, p.w2_packed))
+  _check_setting(monkeypatch, "JAX_MOEQ_CPU_SPIN_US", ("0", "2000", "", "2000", "0"),
+                 ("-1", "1000001", "fast", "20us", "5 "), "is not an integer", seed=5)
 
 
 # ------------------------------------------------------------------ concurrency
