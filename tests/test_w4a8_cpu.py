@@ -7,6 +7,7 @@ of an intermediate moves it by 2^-8; such flips are rare and local).
 """
 
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -355,3 +356,34 @@ def test_packer_rejects_bad_weights():
     w4a8_cpu.convert_to_w4a8_int8_moe_format(q13.astype(jnp.int32), q2, s13, s2, 32)
   with pytest.raises(ValueError, match="group_size=16"):
     w4a8_cpu.convert_to_w4a8_int8_moe_format(q13, q2, s13, s2, 16)
+
+
+def test_stage_clock_reports_the_decode_region():
+  """The stage clock (benchmarks' --time-split) over decode-sized calls: the experts region ran
+  pieces on at least one thread and at most the pool's, its last thread started after the
+  launch and within the stage, and the idle tails fit the stage; no combine stage of its own."""
+  module = _ffi.cpu_module()
+  p = make_problem(31, T=4, E=16, K=4, H=256, I=128, group_size=64, dtype=jnp.bfloat16,
+                   bias=False)
+  f = jax.jit(lambda x, i, w: w4a8_cpu._ffi_moe(
+      x, i, w, p["w13_packed"], p["w2_packed"], H=256, I=128, group_size=64,
+      apply_router_weight_on_input=False, activation_kind=0))
+  jax.block_until_ready(f(p["x"], p["topk_ids"], p["topk_weights"]))
+  calls = 5
+  module.w4a8_moe_profile(True)
+  try:
+    module.w4a8_moe_profile_take()
+    for _ in range(calls):
+      jax.block_until_ready(f(p["x"], p["topk_ids"], p["topk_weights"]))
+  finally:
+    module.w4a8_moe_profile(False)
+  taken = module.w4a8_moe_profile_take()
+  assert taken["chunks"] == calls
+  experts = taken["stages"]["experts"]
+  assert experts["pieces"] >= calls
+  pool_bound = max(os.cpu_count() or 1, int(os.environ.get("PJRT_NPROC", "0") or 0))
+  assert calls <= experts["threads"] <= calls * pool_bound
+  assert 0 <= experts["late_start_ns"] <= experts["wall_ns"]
+  assert 0 <= experts["idle_tail_ns"] <= experts["threads"] * experts["wall_ns"]
+  assert experts["busy_ns"] > 0
+  assert taken["stages"]["combine"]["pieces"] == 0
