@@ -421,7 +421,7 @@ int main() {
       for (int call = 0; call < kCalls; ++call) {
         const int64_t spin_us = call % 2 ? 2000 : 0;
         jax_moeq::cpu::ParallelFor parallel_for =
-            jax_moeq::ffi_cpu::MakeParallelForOn(PoolRef{&pool}, 5, spin_us);
+            jax_moeq::ffi_cpu::MakeParallelFor(PoolRef{&pool}, 5, spin_us);
         const int64_t n = 1 + (call * 37 + c * 11) % 300;
         std::vector<int> runs(n, 0);  // plain ints: two runs of one index would race
         parallel_for(n, [&](int64_t begin, int64_t end) {

@@ -71,7 +71,7 @@ class Job {
   }
   uint64_t Generation() const { return seats_.load(std::memory_order_acquire) >> kSeatBits; }
 
-  // Runs pieces until none is left, then gives the seat back.
+  // Runs pieces until none is left (a seated worker then Leaves).
   void Work() {
     for (;;) {
       const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
@@ -146,7 +146,7 @@ class JobBoard {
 // A ParallelFor over `pool` (anything with Schedule(std::function<void()>)): `workers` threads
 // at most, the caller included; workers stay up to `spin_us` for later calls.
 template <typename Pool>
-cpu::ParallelFor MakeParallelForOn(Pool pool, int64_t workers, int64_t spin_us) {
+cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us) {
   const int64_t threads = std::max<int64_t>(1, workers);
   const int64_t spin_ns = spin_us * 1000;
   return [pool, threads, spin_ns](int64_t n,

@@ -13,47 +13,43 @@
 
 namespace jax_moeq::ffi_cpu {
 
-// JAX_MOEQ_CPU_WORKERS=N (read per call, as JAX_MOEQ_CPU_ISA): at most N threads work on one
-// call, the calling thread included (unset or empty: the pool's size). Sets *error on a value
-// that is not a positive integer.
-inline int64_t WorkersFromEnv(int64_t pool_threads, std::string* error) {
-  const char* value = std::getenv("JAX_MOEQ_CPU_WORKERS");
-  if (value == nullptr || *value == '\0') return pool_threads;
+// The integer in environment variable `name` (read per call, as JAX_MOEQ_CPU_ISA): `fallback`
+// when unset or empty; sets *error, naming the variable, the value and `expected`, when it is not
+// an integer in [lo, hi].
+inline int64_t IntFromEnv(const char* name, int64_t fallback, int64_t lo, int64_t hi,
+                          const char* expected, std::string* error) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
   char* end = nullptr;
   const long long n = std::strtoll(value, &end, 10);
-  if (*end != '\0' || n < 1) {
-    *error = std::string("JAX_MOEQ_CPU_WORKERS='") + value + "' is not a positive integer";
-    return pool_threads;
-  }
-  return std::min<int64_t>(pool_threads, n);
-}
-
-// JAX_MOEQ_CPU_SPIN_US=N (read per call): how long a worker that ran out of pieces stays,
-// spinning, for the next call's job instead of going back to XLA's pool (unset: kDefaultSpinUs;
-// 0: never). A pool thread that goes back sleeps, and the last of 16 threads started its first
-// piece of the next call 40-90 us after the launch (16-core Xeon, T = 1, 2026-11-27), in layers
-// of ~0.25 ms; with 2000 the chained layers ran 1.05-1.17x faster at T <= 8. Off by default: a
-// 4-layer model's decode moved within the host's process-to-process spread, and spinning
-// workers hold pool threads that XLA's own ops may want. Sets *error on a value that is not an
-// integer in [0, 1e6].
-inline constexpr int64_t kDefaultSpinUs = 0;
-inline int64_t SpinUsFromEnv(std::string* error) {
-  const char* value = std::getenv("JAX_MOEQ_CPU_SPIN_US");
-  if (value == nullptr || *value == '\0') return kDefaultSpinUs;
-  char* end = nullptr;
-  const long long n = std::strtoll(value, &end, 10);
-  if (*end != '\0' || n < 0 || n > 1000000) {
-    *error = std::string("JAX_MOEQ_CPU_SPIN_US='") + value + "' is not an integer in [0, 1000000]";
-    return 0;
+  if (*end != '\0' || n < lo || n > hi) {
+    *error = std::string(name) + "='" + value + "' is not " + expected;
+    return fallback;
   }
   return n;
 }
 
-// `workers`: the threads one call may use, the caller included (WorkersFromEnv: at most the
-// pool's size). `spin_us`: SpinUsFromEnv.
-inline cpu::ParallelFor MakeParallelFor(xla::ffi::ThreadPool pool, int64_t workers,
-                                        int64_t spin_us = 0) {
-  return MakeParallelForOn(pool, workers, spin_us);
+// JAX_MOEQ_CPU_SPIN_US's default. A worker that runs out of pieces may stay, spinning, for the
+// next call's job instead of going back to XLA's pool, where it sleeps: the last of 16 threads
+// started its first piece of the next call 40-90 us after the launch (16-core Xeon, T = 1,
+// 2026-11-27), in layers of ~0.25 ms, and with 2000 us the chained layers ran 1.05-1.17x faster
+// at T <= 8. Off by default: a 4-layer model's decode moved within the host's process-to-process
+// spread, and spinning workers hold pool threads that XLA's own ops may want.
+inline constexpr int64_t kDefaultSpinUs = 0;
+
+// The handlers' ParallelFor on XLA's pool, with the settings read per call:
+// JAX_MOEQ_CPU_WORKERS=N (at most N threads on one call, the caller included; default the pool's
+// size) and JAX_MOEQ_CPU_SPIN_US=N (how long, in [0, 1e6] us, a worker waits for the next call).
+// Sets *error on a bad value.
+inline cpu::ParallelFor ParallelForFromEnv(xla::ffi::ThreadPool pool, std::string* error) {
+  const int64_t pool_threads = pool.num_threads();
+  const int64_t workers =
+      std::min<int64_t>(pool_threads, IntFromEnv("JAX_MOEQ_CPU_WORKERS", pool_threads, 1,
+                                                 INT64_MAX, "a positive integer", error));
+  if (!error->empty()) return {};
+  const int64_t spin_us = IntFromEnv("JAX_MOEQ_CPU_SPIN_US", kDefaultSpinUs, 0, 1000000,
+                                     "an integer in [0, 1000000]", error);
+  return MakeParallelFor(pool, workers, spin_us);
 }
 
 }  // namespace jax_moeq::ffi_cpu

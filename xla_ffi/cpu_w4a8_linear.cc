@@ -57,11 +57,9 @@ ffi::Error W4A8LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   if (!error.empty()) return Invalid(error);
   const cpu::Isa isa = cpu::SelectIsa(&error);
   if (!error.empty()) return Invalid(error);
-  const int64_t workers = WorkersFromEnv(pool.num_threads(), &error);
+  const cpu::ParallelFor parallel_for = ParallelForFromEnv(pool, &error);
   if (!error.empty()) return Invalid(error);
-  const int64_t spin_us = SpinUsFromEnv(&error);
-  if (!error.empty()) return Invalid(error);
-  error = cpu::RunW4A8Linear(p, isa, MakeParallelFor(pool, workers, spin_us));
+  error = cpu::RunW4A8Linear(p, isa, parallel_for);
   if (!error.empty()) return Invalid(error);
   return ffi::Error::Success();
 }

@@ -397,6 +397,7 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
                 static_cast<char*>(p.out) + (t * H + col_begin) * out_bytes, 0);
     }
   };
+  // (With no routed pair there is no GEMM2 item to run the combine: the stages write zeros.)
   if (routed <= kFusedExpertsMaxPairs && routed > 0) {
     RunExperts(isa, items13, items2, pass13, pass2, sc.counts, sc.offsets, activate,
                [&](int64_t col_begin, int64_t col_end) {
