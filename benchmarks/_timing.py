@@ -1,10 +1,12 @@
 """Timing helpers shared by the benchmarks: median wall time after warm-up, a read-bandwidth
 probe, the CPU's model, ISA flags and last-level cache, progress lines on stderr, and markdown
-tables; the machine in one line (machine_info, machine_line: CPU, or GPU and its clocks); and where
-the benchmarks import jax_moeq from (use_source_tree_if_not_installed)."""
+tables; the machine in one line (machine_info, machine_line: CPU, or GPU and its clocks); where
+the benchmarks import jax_moeq from (use_source_tree_if_not_installed); and environment settings
+applied for a while (env_applied: the CPU handlers read theirs per call)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -14,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -235,3 +237,18 @@ def machine_line(info: dict[str, Any]) -> str:
   isa = "+".join(f for f in info["isa"] if f != "avx512f") or "no avx2"
   return (f"{info['cpu']}, {info['cores']} cores, {isa}, {info['llc'] or 'LLC ?'}, kernel "
           f"{info['kernel_isa']}")
+
+
+@contextlib.contextmanager
+def env_applied(setting: dict[str, str]) -> Iterator[None]:
+  """The process environment with `setting` applied, the old values restored on exit."""
+  saved = {k: os.environ.get(k) for k in setting}
+  os.environ.update(setting)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v

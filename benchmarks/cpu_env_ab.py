@@ -38,35 +38,10 @@ def parse_setting(text: str) -> dict[str, str]:
   return out
 
 
-class Env:
-  """The process environment with `setting` applied, restored on exit."""
-
-  def __init__(self, setting: dict[str, str]):
-    self.setting, self.saved = setting, {}
-
-  def __enter__(self):
-    for k, v in self.setting.items():
-      self.saved[k] = os.environ.get(k)
-      os.environ[k] = v
-
-  def __exit__(self, *exc):
-    for k, v in self.saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
-
-
-def stage_clock(call, j0: int, calls: int, layers: int) -> dict[str, float]:
-  """The experts region's stage clock over `calls` calls: µs per layer."""
-  from jax_moeq import _ffi
-  module = _ffi.cpu_module()
-  module.w4a8_moe_profile(True)
-  module.w4a8_moe_profile_take()
-  for j in range(calls):
-    _timing.block(call(j0 + j))
-  module.w4a8_moe_profile(False)
-  taken = module.w4a8_moe_profile_take()
+def region_clock(call, first: int, calls: int, layers: int) -> dict[str, float]:
+  """The parallel stages' stage clock over `calls` calls: µs per layer."""
+  import cpu_moe_bench as bench
+  taken, _ = bench.stage_times(call, first=first, calls=calls)
   per = calls * layers
   out = {}
   for name in ("experts", "gemm1", "gemm2"):
@@ -114,10 +89,7 @@ def main(argv=None) -> int:
     h, i, g = shape.hidden_size, shape.intermediate_size, args.group_size
     expert_bytes = w4a8_packed_bytes(2 * i, h, g) + w4a8_packed_bytes(h, i, g)
     _timing.progress(f"{shape.name}: packing {args.layers} layers")
-    stacks = [bench.Experts(shape, g, args.seed + l) for l in range(args.layers)]
-    packed = [e.packed() for e in stacks]
-    for e in stacks:
-      e.drop()
+    packed = bench.packed_layers(shape, g, args.layers, args.seed)
     stack = bench.ours_stack_fn(shape, g)
     for tokens in [int(t) for t in args.tokens.split(",") if t]:
       ring = bench.routing_ring(shape, tokens, bench.ring_size(
@@ -130,7 +102,7 @@ def main(argv=None) -> int:
       j = 3
       for r in range(args.rounds):
         for s, setting in enumerate(settings):
-          with Env(setting):
+          with _timing.env_applied(setting):
             _timing.block(call(j))  # untimed: the previous block's threads may linger
             j += 1
             for _ in range(args.block - 1):
@@ -141,9 +113,9 @@ def main(argv=None) -> int:
         _timing.progress(f"{shape.name} T={tokens}: round {r + 1}/{args.rounds}")
       clocks = []
       for setting in settings:
-        with Env(setting):
+        with _timing.env_applied(setting):
           _timing.block(call(j))
-          clocks.append(stage_clock(call, j + 1, max(10, args.block), args.layers))
+          clocks.append(region_clock(call, j + 1, max(10, args.block), args.layers))
           j += 1 + max(10, args.block)
       base = float(np.median(times[0]))
       record = {"shape": name, "tokens": tokens, "dram_gbps": dram["best"], "settings": []}

@@ -224,6 +224,16 @@ def ours_stack_fn(shape: Shape, group_size: int):
   return jax.jit(stack)
 
 
+def packed_layers(shape: Shape, group_size: int, layers: int, seed: int) -> list:
+  """`layers` layers of random experts (seeds seed, seed + 1, ...), packed for ours, their
+  unpacked weights dropped."""
+  stacks = [Experts(shape, group_size, seed + l) for l in range(layers)]
+  packed = [e.packed() for e in stacks]
+  for e in stacks:
+    e.drop()
+  return packed
+
+
 def ring_call(stack, x, ring, packed):
   """call(j) of `ours_stack_fn`'s stack over `packed`'s layers: call j runs layer l on routing
   (j * layers + l) % len(ring), so every call takes fresh routings."""
@@ -868,15 +878,25 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
 
 def _with_isa(isa: str, call):
   """call() with JAX_MOEQ_CPU_ISA=isa, the variable restored after."""
-  old = os.environ.get("JAX_MOEQ_CPU_ISA")
-  os.environ["JAX_MOEQ_CPU_ISA"] = isa
-  try:
+  with _timing.env_applied({"JAX_MOEQ_CPU_ISA": isa}):
     return _timing.block(call())
+
+
+def stage_times(call, *, first: int, calls: int) -> tuple[dict, float]:
+  """The kernel's stage clock over call(first) .. call(first + calls - 1) (its sums, as
+  `w4a8_moe_profile_take` gives them), and the calls' wall seconds."""
+  from jax_moeq import _ffi
+  module = _ffi.cpu_module()
+  module.w4a8_moe_profile(True)
+  try:
+    module.w4a8_moe_profile_take()
+    start = time.perf_counter()
+    for j in range(first, first + calls):
+      _timing.block(call(j))
+    wall = time.perf_counter() - start
   finally:
-    if old is None:
-      os.environ.pop("JAX_MOEQ_CPU_ISA", None)
-    else:
-      os.environ["JAX_MOEQ_CPU_ISA"] = old
+    module.w4a8_moe_profile(False)
+  return module.w4a8_moe_profile_take(), wall
 
 
 def time_split(call, *, calls: int, layers: int, threads: int) -> str:
@@ -884,18 +904,11 @@ def time_split(call, *, calls: int, layers: int, threads: int) -> str:
   `calls` calls of `layers` layers): each stage's wall time and, for the parallel ones, the
   launch-to-first-piece dispatch, the mean busy time per thread, the last-piece-to-return
   join, the threads that ran pieces, when the last of them started its first piece, and each
-  one's mean idle time between its last piece and the stage's last. What is left of a stage's wall time is imbalance (threads idle while others finish)."""
-  from jax_moeq import _ffi
-  module = _ffi.cpu_module()
+  one's mean idle time between its last piece and the stage's last. What is left of a stage's
+  wall time is imbalance (threads idle while others finish)."""
   _timing.block(call(0))
-  module.w4a8_moe_profile(True)
-  module.w4a8_moe_profile_take()
-  start = time.perf_counter()
-  for j in range(calls):
-    _timing.block(call(j))
-  wall = (time.perf_counter() - start) / (calls * layers)
-  module.w4a8_moe_profile(False)
-  taken = module.w4a8_moe_profile_take()
+  taken, wall = stage_times(call, first=0, calls=calls)
+  wall /= calls * layers
   us = lambda ns: ns / (calls * layers) / 1e3
   parts, kernel = [], 0.0
   for name, t in taken["stages"].items():

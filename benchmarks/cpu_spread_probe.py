@@ -132,10 +132,7 @@ def main(argv=None) -> int:
 
   shape = bench.SHAPES[args.shape]
   h = shape.hidden_size
-  stacks = [bench.Experts(shape, args.group_size, args.seed + l) for l in range(args.layers)]
-  packed = [e.packed() for e in stacks]
-  for e in stacks:
-    e.drop()
+  packed = bench.packed_layers(shape, args.group_size, args.layers, args.seed)
   ring = bench.routing_ring(shape, args.tokens, 16, args.seed)
   stack = bench.ours_stack_fn(shape, args.group_size)
   x = jax.random.normal(jax.random.key(0), (args.tokens, h)).astype(jax.numpy.bfloat16)
