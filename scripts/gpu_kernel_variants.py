@@ -333,6 +333,17 @@ VARIANTS = {
                                         zeros=True, group=128, activation=1),
     "wna16_wgmma_act_order": Wna16Case(t=256, e=4, k=2, block_m=128, act_order=True),
     "wna16_wgmma_i_odd_tiles": Wna16Case(t=256, e=4, k=2, h=192, i=192, block_m=128),
+    # The persistent warp-specialised wgmma kernel: every token tile, act-order, odd unit counts,
+    # more tiles than CTAs' first round (the stage ring across tiles), and the batched format.
+    "wna16_wgmma_ws": Wna16Case(t=256, e=4, k=2, block_m=128, mainloop="wgmma_ws", bias=True),
+    "wna16_wgmma_ws_bm32_zeros": Wna16Case(t=200, e=4, k=2, block_m=32, mainloop="wgmma_ws",
+                                           dtype="float16", zeros=True, group=128, activation=1),
+    "wna16_wgmma_ws_bm64_act_order": Wna16Case(t=256, e=4, k=2, block_m=64, mainloop="wgmma_ws",
+                                               act_order=True),
+    "wna16_wgmma_ws_i_odd_tiles": Wna16Case(t=256, e=4, k=2, h=192, i=192, block_m=32,
+                                            mainloop="wgmma_ws"),
+    "wna16_batched_wgmma_ws": Wna16Case(t=130, e=2, batched=True, block_m=64,
+                                        mainloop="wgmma_ws"),
     # Batched format [E, M, H] with per-expert counts.
     "wna16_batched": Wna16Case(t=9, e=4, batched=True, bias=True),
     "wna16_batched_split": Wna16Case(t=2, e=4, h=1024, batched=True, block_m=8),
@@ -357,6 +368,7 @@ VARIANTS = {
     "mxint4_wgmma": MxInt4Case(t=256, e=8, k=2, block_m=128),
     "mxint4_wgmma_ep": MxInt4Case(t=256, e=8, k=4, local=4, ep_rank=1, block_m=128,
                                   method=int(RM.DeepSeekV3)),
+    "mxint4_wgmma_ws": MxInt4Case(t=256, e=8, k=2, block_m=32, mainloop="wgmma_ws"),
 }
 
 

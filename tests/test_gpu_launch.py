@@ -87,8 +87,15 @@ def test_mainloop_names():
   assert launch.mainloop_code("bulk_copy") == 2
   assert launch.mainloop_code("wgmma", 64) == 3
   assert launch.uses_wgmma(64, 3) and launch.uses_wgmma(128, 0) and not launch.uses_wgmma(64, 0)
+  assert launch.mainloop_code("wgmma_ws", 32) == 4
+  # A wgmma main loop asked for without a block_m takes at least its smallest tile.
+  assert launch.choose_launch("wna16", 1.0, None, "wgmma_ws") == (32, 4)
+  assert launch.choose_launch("mxint4", 100.0, None, "wgmma_ws") == (128, 4)
+  assert launch.uses_wgmma(32, 4) and launch.uses_wgmma(128, 4)
   with pytest.raises(ValueError, match="wgmma main loop takes block_m"):
     launch.mainloop_code("wgmma", 16)
+  with pytest.raises(ValueError, match="wgmma_ws main loop takes block_m"):
+    launch.mainloop_code("wgmma_ws", 8)
   with pytest.raises(ValueError, match="mainloop must be one of"):
     launch.mainloop_code("pipelined")
 

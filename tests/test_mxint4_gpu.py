@@ -193,8 +193,9 @@ def test_vmap_of_token_sets_matches_separate_calls():
   assert _rel(got, want) <= 5e-3  # one bf16 ulp is 2^-8 relative
 
 
-@pytest.mark.parametrize("launch", [{}, dict(block_m=32, mainloop="wgmma"), dict(block_m=128)],
-                         ids=["auto", "wgmma32", "wgmma128"])
+@pytest.mark.parametrize("launch", [{}, dict(block_m=32, mainloop="wgmma"), dict(block_m=128),
+                                    dict(block_m=32, mainloop="wgmma_ws")],
+                         ids=["auto", "wgmma32", "wgmma128", "wgmma_ws32"])
 def test_tokens_without_a_local_expert_are_zero(launch):
   """Aligned path: a token none of whose experts is on this rank has no GEMM2 row; the finalize
   still writes its output row, as zeros (NaN-poisoned here). The wgmma tiles' GEMM2 writes
@@ -214,8 +215,9 @@ def test_tokens_without_a_local_expert_are_zero(launch):
   assert _rel(out, ref) <= TOL
 
 
-@pytest.mark.parametrize("launch", [{}, dict(block_m=32, mainloop="wgmma")],
-                         ids=["auto", "wgmma32"])
+@pytest.mark.parametrize("launch", [{}, dict(block_m=32, mainloop="wgmma"),
+                                    dict(block_m=64, mainloop="wgmma_ws")],
+                         ids=["auto", "wgmma32", "wgmma_ws64"])
 def test_prefill_alignment_over_several_ctas(launch):
   """From 8192 pairs the alignment counts and places its pairs over several CTAs (here three, the
   last partial); on one EP rank half the pairs have no local expert."""
@@ -247,7 +249,8 @@ def test_model_shapes(name, e, k, h, i, method, t):
 @pytest.mark.parametrize("block_m,mainloop", [
     (8, "registers"), (16, "registers"), (32, "registers"), (64, "registers"),
     (8, "async_ring"), (16, "async_ring"), (32, "async_ring"), (8, "bulk_copy"),
-    (16, "bulk_copy"), (128, "registers"), (32, "wgmma"), (64, "wgmma")])
+    (16, "bulk_copy"), (128, "registers"), (32, "wgmma"), (64, "wgmma"), (32, "wgmma_ws"),
+    (64, "wgmma_ws"), (128, "wgmma_ws")])
 def test_block_sizes(block_m, mainloop):
   e, k, h, i, t = 16, 2, 256, 192, 100
   prepared, canon = _experts(block_m, e, h, i)

@@ -288,10 +288,15 @@ WGMMA_CASES = [
 
 # Token tiles of the wgmma GEMM: 128 (block_m 128), and 64 / 32 through the wgmma main loop.
 WGMMA_TILES = [dict(block_m=128), dict(block_m=64, mainloop="wgmma"),
-               dict(block_m=32, mainloop="wgmma")]
+               dict(block_m=32, mainloop="wgmma")] + [
+                   dict(block_m=m, mainloop="wgmma_ws") for m in (128, 64, 32)]
 
 
-@pytest.mark.parametrize("tile", WGMMA_TILES, ids=lambda d: f"n{d['block_m']}")
+def _tile_id(d):
+  return f"n{d['block_m']}" + ("-ws" if d.get("mainloop") == "wgmma_ws" else "")
+
+
+@pytest.mark.parametrize("tile", WGMMA_TILES, ids=_tile_id)
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
 def test_wgmma_vs_reference(case, tile):
   got, want, (x, weights, topk_w, topk_ids) = _run_case(case, **tile)
@@ -304,7 +309,7 @@ def test_wgmma_vs_reference(case, tile):
   assert _rel(got, small.astype(jnp.float32)) <= 5e-3
 
 
-@pytest.mark.parametrize("tile", WGMMA_TILES, ids=lambda d: f"n{d['block_m']}")
+@pytest.mark.parametrize("tile", WGMMA_TILES, ids=_tile_id)
 def test_wgmma_batched(tile):
   e, m, h, i = 8, 200, 512, 256
   weights, (w13, w2, b13, b2) = _build(23, e, h, i, 64, jnp.float16, bias=True,
@@ -320,6 +325,29 @@ def test_wgmma_batched(tile):
                                       dtype=jnp.float16)) <= _rounding_tol(jnp.float16)
   live = np.arange(m)[None, :] < np.asarray(counts)[:, None]
   assert np.all(got[~live] == 0)
+
+
+# The persistent warp-specialised kernel (mainloop "wgmma_ws") computes the wgmma GEMM's tiles
+# with the same arithmetic in the same order: its output bits equal the wgmma GEMM's. Cases: many
+# more tiles than SMs (each CTA runs several and the stage ring wraps across tiles), zero points
+# and bias; act-order (the unstaged activation store) with GEMM1 over 4 chunks, fewer than the
+# ring's stages, and an odd unit count (a consumer warpgroup idle on some tiles).
+# (T, E, K, H, I, group_size, dtype, act_order, zeros, bias, activation)
+WS_CASES = [
+    (4096, 16, 2, 1024, 1024, 128, jnp.bfloat16, False, True, True, 0),
+    (200, 8, 2, 256, 320, 64, jnp.float16, True, False, False, 1),
+]
+
+
+@pytest.mark.parametrize("block_m", [32, 64, 128])
+@pytest.mark.parametrize("case", WS_CASES, ids=_case_id)
+def test_wgmma_ws_bits_equal_wgmma(case, block_m):
+  got, want, operands = _run_case(case, block_m=block_m, mainloop="wgmma_ws")
+  assert _rel(got, want) <= _rounding_tol(case[6])
+  x, weights, topk_w, topk_ids = operands
+  same = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
+                                    block_m=block_m, mainloop="wgmma")
+  np.testing.assert_array_equal(got, np.asarray(same.astype(jnp.float32)))
 
 
 BATCHED_CASES = [

@@ -236,6 +236,7 @@ LAUNCHES = (
     (9, 16, "bulk_copy", 4), (30, 32, "registers", 4), (32, 32, "async_ring", 1),
     (60, 64, "registers", 4), (64, 64, "registers", 1), (20, 32, "wgmma", 1),
     (40, 64, "wgmma", 1), (200, 128, None, 1), (129, 128, "wgmma", 1),
+    (20, 32, "wgmma_ws", 1), (40, 64, "wgmma_ws", 1), (300, 128, "wgmma_ws", 1),
 )
 
 

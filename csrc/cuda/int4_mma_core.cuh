@@ -219,6 +219,26 @@ __device__ __forceinline__ void MbarrierWait(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
+// An arrival on `bar` once all of this thread's earlier cp.async copies have landed (counted
+// against the barrier's expected arrivals).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar))
+               : "memory");
+#endif
+}
+
+// A plain arrival (no byte count) on `bar`.
+__device__ __forceinline__ void MbarrierArrive(uint64_t* bar) {
+#if JAX_MOEQ_BEFORE_SM90
+  __trap();
+#else
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(bar)) : "memory");
+#endif
+}
+
 // Orders this thread's earlier shared-memory accesses before its later copy-engine writes.
 __device__ __forceinline__ void FenceProxyAsync() {
 #if JAX_MOEQ_BEFORE_SM90

@@ -181,17 +181,6 @@ __device__ __forceinline__ GroupWords WordsOf(const uint32_t* words, int e, int 
   return GroupWords{words + static_cast<int64_t>(e) * groups * n_sub * 8, n_sub * 8};
 }
 
-// An arrival on `bar` once all of this thread's earlier cp.async copies have landed (counted
-// against the barrier's expected arrivals).
-__device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
-#if JAX_MOEQ_BEFORE_SM90
-  __trap();
-#else
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SharedAddress(bar))
-               : "memory");
-#endif
-}
-
 __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

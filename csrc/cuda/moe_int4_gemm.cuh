@@ -37,7 +37,11 @@ enum class EpilogueKind {
 //              slots with bulk copies (kBulkSlots slots of two chunks per subtile, mbarrier per
 //              slot); activations and scales come through L1 into registers (block_m 8 and 16).
 // kWgmma: the wgmma GEMM (moe_int4_wgmma.cuh) with a token tile of block_m (32, 64 or 128).
-enum class GemmMainloop : int { kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2, kWgmma = 3 };
+// kWgmmaWs: the same GEMM as a persistent kernel whose producer warpgroup fills the stage ring
+//           for two MMA warpgroups (moe_int4_wgmma_ws.cuh).
+enum class GemmMainloop : int {
+  kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2, kWgmma = 3, kWgmmaWs = 4
+};
 
 struct MoeGemmArgs {
   const void* x = nullptr;       // rows of T, row stride ld_x (elements)

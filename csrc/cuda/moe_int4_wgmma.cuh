@@ -99,17 +99,15 @@ static __global__ void PermuteRowsKernel(const T* x, int in_div, const int32_t* 
 // warps of an idle warpgroup (odd unit count) pass tile_ok = false and store nothing.
 constexpr int kWgOutRowBytes = 128 * 2 + 16;  // + 16 bytes: row starts spread over the banks
 
-template <typename T, int kActivationKind, int kN>
+template <typename T, int kActivationKind, int kN, typename Sync>
 __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32_t smem, int blk,
                                                     int expert, int n_tile,
-                                                    const float (&acc)[2][kN / 2], bool tile_ok) {
-  static_assert(kN * kWgOutRowBytes <= kWgmmaStages * WgmmaTile<kN>::kStageBytes,
-                "the output tile fits in the pipeline stages");
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+                                                    const float (&acc)[2][kN / 2], bool tile_ok,
+                                                    int tid, Sync sync) {
+  const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int half_n = p.n / 2;
-  CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
-  __syncthreads();   // every warp has read its last stage
+  sync();  // every thread is done with the staging memory (the last stage, or the last tile)
   if (tile_ok) {
     // Gate row (= activation column) n of this warp: sub0 * 16 + row; its local logical column.
     const int n0 = 128 * n_tile + 64 * (warp >> 2) + 16 * (warp & 3);
@@ -131,7 +129,7 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
       }
     }
   }
-  __syncthreads();
+  sync();
   // Column pieces of 8 past the last unit's columns belong to an idle warpgroup.
   const int cols = min(128, 64 * (p.units - 2 * n_tile));
 #pragma unroll
@@ -148,81 +146,129 @@ __device__ __forceinline__ void StoreActivationTile(const MoeGemmArgs& p, uint32
 
 // GEMM2's epilogue (kRoundedStore): v = round((acc + bias[e][n]) * topk_weights[id]) as T (bias
 // and weights optional), the rounding the finalize would apply to f32 rows, so GEMM2 writes and the
-// finalize reads half the bytes. The CTA's kN tokens x 256 f32 outputs (two warpgroups of 128
-// rows) are staged in the drained pipeline stages; then each thread finishes 8 outputs of a token
+// finalize reads half the bytes. The CTA's tokens x 256 f32 outputs (two warpgroups of 128 rows)
+// are staged kPass tokens at a time (kN in the pipeline stages of MoeInt4WgmmaKernel; 64 in the
+// persistent kernel's own, smaller staging area); then each thread finishes 8 outputs of a token
 // at a time (always the same 8: bias loaded once) and stores them as one 16-byte piece. Every
-// thread of the CTA must call it (two barriers).
+// consumer thread (tid 0 .. 255) must call it: two sync() per pass.
 constexpr int kWgRoundedRowBytes = 256 * 4 + 16;  // + 16 bytes: row starts spread over the banks
 
-template <typename T, int kN>
+template <typename T, int kN, int kPass, typename Sync>
 __device__ __forceinline__ void StoreRoundedTile(const MoeGemmArgs& p, uint32_t smem, int blk,
                                                  int expert, int n_tile,
                                                  const float (&acc)[2][kN / 2],
-                                                 const bool (&tile_ok)[2]) {
-  static_assert(kN * kWgRoundedRowBytes <= kWgmmaStages * WgmmaTile<kN>::kStageBytes,
-                "the output tile fits in the pipeline stages");
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+                                                 const bool (&tile_ok)[2], int tid, Sync sync) {
+  static_assert(kN % kPass == 0 && kPass % 8 == 0, "passes of whole 8-token column blocks");
+  const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  CpAsyncWait<0>();  // no copy may land in the reused stages
-  __syncthreads();   // every warp has read its last stage
-  if (tile_ok[0]) {
-    // Output rows of this warp: subtiles 8 wg + w % 4 (+ 4 for j = 1) of the CTA's 16.
-    const uint32_t dst = smem + 2 * t * kWgRoundedRowBytes +
-                         4 * (128 * (warp >> 2) + 16 * (warp & 3) + g);
-#pragma unroll
-    for (int nb = 0; nb < kN / 8; ++nb) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-          for (int rh = 0; rh < 2; ++rh) {
-            // acc[j][4 nb + 2 rh + e]: token 8 nb + 2 t + e, output row 64 j + 8 rh + g.
-            StShared32(dst + (8 * nb + e) * kWgRoundedRowBytes + 4 * (64 * j + 8 * rh),
-                       __float_as_uint(acc[j][4 * nb + 2 * rh + e]));
-          }
-        }
-      }
-    }
-  }
-  __syncthreads();
   // Thread: outputs 8 lane .. 8 lane + 7 of tokens warp + 8 i. Pieces past N (an idle warpgroup,
   // or N % 128 == 64) are not stored.
-  constexpr int kPieces = kN * 32 / kWgmmaThreads;
   const int n0 = 256 * n_tile + 8 * lane;
-  if (n0 >= p.n) return;
-  int ids[kPieces];
-  float w[kPieces];
-#pragma unroll
-  for (int i = 0; i < kPieces; ++i) ids[i] = BlockRow(p, blk, kN, warp + 8 * i);
-#pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    w[i] = p.topk_weights && ids[i] < p.num_rows ? __ldg(p.topk_weights + ids[i]) : 1.0f;
-  }
+  const bool n_ok = n0 < p.n;
   float bias[8] = {};
-  if (p.bias) {
+  if (p.bias && n_ok) {
     const float4* b = reinterpret_cast<const float4*>(p.bias + static_cast<int64_t>(expert) * p.n + n0);
     const float4 lo = __ldg(b), hi = __ldg(b + 1);
     bias[0] = lo.x; bias[1] = lo.y; bias[2] = lo.z; bias[3] = lo.w;
     bias[4] = hi.x; bias[5] = hi.y; bias[6] = hi.z; bias[7] = hi.w;
   }
+  constexpr int kPieces = kPass * 32 / kWgmmaThreads;
 #pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    const int r = warp + 8 * i;
-    if (ids[i] >= p.num_rows) continue;
-    const uint32_t src = smem + r * kWgRoundedRowBytes + 32 * lane;
-    const uint4 lo = LdShared128(src), hi = LdShared128(src + 16);
-    const uint32_t bits[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    alignas(16) T h[8];
+  for (int pass = 0; pass < kN / kPass; ++pass) {
+    sync();  // every thread is done with the staging memory (last stage, pass or tile)
+    if (tile_ok[0]) {
+      // Output rows of this warp: subtiles 8 wg + w % 4 (+ 4 for j = 1) of the CTA's 16.
+      const uint32_t dst = smem + 2 * t * kWgRoundedRowBytes +
+                           4 * (128 * (warp >> 2) + 16 * (warp & 3) + g);
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      float v = __uint_as_float(bits[c]);
-      if (p.bias) v += bias[c];
-      if (p.topk_weights) v *= w[i];
-      h[c] = HalfType<T>::from_float(v);
+      for (int pb = 0; pb < kPass / 8; ++pb) {
+        const int nb = pass * (kPass / 8) + pb;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int rh = 0; rh < 2; ++rh) {
+              // acc[j][4 nb + 2 rh + e]: token 8 nb + 2 t + e, output row 64 j + 8 rh + g.
+              StShared32(dst + (8 * pb + e) * kWgRoundedRowBytes + 4 * (64 * j + 8 * rh),
+                         __float_as_uint(acc[j][4 * nb + 2 * rh + e]));
+            }
+          }
+        }
+      }
     }
-    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.rounded) + static_cast<int64_t>(ids[i]) * p.n +
-                              n0) = *reinterpret_cast<const uint4*>(h);
+    sync();
+    if (!n_ok) continue;
+    int ids[kPieces];
+    float w[kPieces];
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) ids[i] = BlockRow(p, blk, kN, pass * kPass + warp + 8 * i);
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      w[i] = p.topk_weights && ids[i] < p.num_rows ? __ldg(p.topk_weights + ids[i]) : 1.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int r = warp + 8 * i;
+      if (ids[i] >= p.num_rows) continue;
+      const uint32_t src = smem + r * kWgRoundedRowBytes + 32 * lane;
+      const uint4 lo = LdShared128(src), hi = LdShared128(src + 16);
+      const uint32_t bits[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      alignas(16) T h[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        float v = __uint_as_float(bits[c]);
+        if (p.bias) v += bias[c];
+        if (p.topk_weights) v *= w[i];
+        h[c] = HalfType<T>::from_float(v);
+      }
+      *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.rounded) +
+                                static_cast<int64_t>(ids[i]) * p.n + n0) =
+          *reinterpret_cast<const uint4*>(h);
+    }
+  }
+}
+
+// One 64-deep chunk of a warpgroup's two 64-row tiles from the stage at `st`: this thread's
+// weight words at st + weight_off (+ 512 for tile 1), its scale and zero-point words at st +
+// word_off (+ 1024 q: scale tile 0, scale tile 1, zero tile 0, zero tile 1), the token tile at st.
+// k-step s: dequantize into a[s] (step s of the previous chunk, its last reader, is done: see the
+// wait), issue both tiles' MMAs, and go on while up to kWgmmaInFlight groups run, so the chunk
+// boundary overlaps queued MMAs instead of draining them. On return at most kWgmmaInFlight groups
+// of this chunk are running and every group of the chunk before is done.
+template <typename T, NibbleCode kCode, int kN>
+__device__ __forceinline__ void WgmmaChunk(uint32_t st, uint32_t weight_off, uint32_t word_off,
+                                           bool has_zeros, float (&acc)[2][kN / 2],
+                                           uint32_t (&a)[4][2][4]) {
+  uint32_t words[2][4], s_lo[2], s_hi[2], z_lo[2], z_hi[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const uint4 wv = LdShared128(st + weight_off + 512 * j);
+    words[j][0] = wv.x;
+    words[j][1] = wv.y;
+    words[j][2] = wv.z;
+    words[j][3] = wv.w;
+    const uint32_t scale = LdShared32(st + word_off + 1024 * j);
+    const uint32_t zm = has_zeros ? MagicPlusZero<T>(LdShared32(st + word_off + 1024 * (2 + j)))
+                                  : HalfType<T>::kMagicPlus8;
+    s_lo[j] = BroadcastHalf(scale, false);
+    s_hi[j] = BroadcastHalf(scale, true);
+    z_lo[j] = BroadcastHalf(zm, false);
+    z_hi[j] = BroadcastHalf(zm, true);
+  }
+  const uint64_t desc = SmemDescSwizzle128(st);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      DequantWord<T, kCode>(words[j][s], s_lo[j], s_hi[j], z_lo[j], z_hi[j], a[s][j]);
+    }
+    WgmmaFence();
+    const uint64_t desc_s = desc + 2 * s;  // + 32 bytes (16 inputs) per k-step
+    WgmmaTileMma<T, kN>(acc[0], a[s][0], desc_s);
+    WgmmaTileMma<T, kN>(acc[1], a[s][1], desc_s);
+    WgmmaCommit();
+    WgmmaWait<kWgmmaInFlight>();
   }
 }
 
@@ -335,41 +381,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
     write_stage = write_stage == last_stage ? smem : write_stage + Tile::kStageBytes;
     const uint32_t st = read_stage;
     read_stage = read_stage == last_stage ? smem : read_stage + Tile::kStageBytes;
-    uint32_t words[2][4], s_lo[2], s_hi[2], z_lo[2], z_hi[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const uint4 wv = LdShared128(st + weight_off + 512 * j);
-      words[j][0] = wv.x;
-      words[j][1] = wv.y;
-      words[j][2] = wv.z;
-      words[j][3] = wv.w;
-      const uint32_t scale = LdShared32(st + word_off + 1024 * j);
-      const uint32_t zm = p.zeros ? MagicPlusZero<T>(LdShared32(st + word_off + 1024 * (2 + j)))
-                                  : HalfType<T>::kMagicPlus8;
-      s_lo[j] = BroadcastHalf(scale, false);
-      s_hi[j] = BroadcastHalf(scale, true);
-      z_lo[j] = BroadcastHalf(zm, false);
-      z_hi[j] = BroadcastHalf(zm, true);
-    }
-    const uint64_t desc = SmemDescSwizzle128(st);
-    // k-step s: dequantize into a[s] (step s of the previous chunk, its last reader, is done:
-    // see the wait), issue both tiles' MMAs, and go on while up to kWgmmaInFlight groups run, so
-    // the chunk boundary (barrier, next loads) overlaps queued MMAs instead of draining them.
     // At most kWgmmaInFlight <= 3 groups of chunk c - 1 are still running at chunk c's barrier,
     // so chunk c - 2's stage is free to refill.
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        DequantWord<T, kCode>(words[j][s], s_lo[j], s_hi[j], z_lo[j], z_hi[j], a[s][j]);
-      }
-      WgmmaFence();
-      const uint64_t desc_s = desc + 2 * s;  // + 32 bytes (16 inputs) per k-step
-      WgmmaTileMma<T, kN>(acc[0], a[s][0], desc_s);
-      WgmmaTileMma<T, kN>(acc[1], a[s][1], desc_s);
-      WgmmaCommit();
-      WgmmaWait<kWgmmaInFlight>();
-    }
+    WgmmaChunk<T, kCode, kN>(st, weight_off, word_off, p.zeros != nullptr, acc, a);
   }
   WgmmaWait<0>();
   FenceAccumulators(acc[0]);
@@ -377,17 +391,25 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
 
   // Epilogue. Accumulator d[4 nb + c] = row g + 8 (c >> 1) of each subtile, token column
   // 8 nb + 2t + (c & 1). The tensor cores idle until the CTA exits, so its instructions count.
+  // The output tile is staged in the drained pipeline stages.
+  static_assert(kN * kWgOutRowBytes <= kWgmmaStages * Tile::kStageBytes &&
+                    kN * kWgRoundedRowBytes <= kWgmmaStages * Tile::kStageBytes,
+                "the output tile fits in the pipeline stages");
+  const auto sync = [] {
+    CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
+    __syncthreads();   // every warp has read its last stage
+  };
   if (p.epilogue == EpilogueKind::kActivation && p.act_col == nullptr) {
     // The activation kind is uniform: one specialized loop each, no branch per element.
     if (p.activation == 1) {
-      StoreActivationTile<T, 1, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
+      StoreActivationTile<T, 1, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
     } else {
-      StoreActivationTile<T, 0, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0]);
+      StoreActivationTile<T, 0, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
     }
     return;
   }
   if (p.epilogue == EpilogueKind::kRoundedStore) {
-    StoreRoundedTile<T, kN>(p, smem, blk, expert, n_tile, acc, tile_ok);
+    StoreRoundedTile<T, kN, kN>(p, smem, blk, expert, n_tile, acc, tile_ok, tid, sync);
     return;
   }
   if (!tile_ok[0]) return;
@@ -432,73 +454,6 @@ void LaunchWgmmaTile(const MoeGemmArgs& args, int max_blocks, int n_tiles, cudaS
     LaunchWgmmaKernel<T, kCode, false, kN>(args, dim3(n_tiles, max_blocks), stream);
   } else {
     LaunchWgmmaKernel<T, kCode, true, kN>(args, dim3(max_blocks, n_tiles), stream);
-  }
-}
-
-// Host: one launch of the wgmma GEMM (token tile block_m: 32, 64 or 128). `args` carries the
-// per-warp unit geometry of the mma.sync kernel (GEMM1: unit_mult 1, sub_stride N/32; GEMM2:
-// unit_mult 2, sub_stride 1); it becomes the per-warpgroup geometry here. Split-K does not apply
-// (splits must be 1).
-template <typename T, NibbleCode kCode>
-void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStream_t stream) {
-  MoeGemmArgs args = group_args;
-  args.per_group = MakeFastDiv(static_cast<uint32_t>(args.k / args.groups));
-  const int n_sub = args.n / 16;
-  if (args.unit_mult == 1) {  // GEMM1: gate subtiles 4u..4u+3 and the up subtiles N/32 later
-    args.units = n_sub / 2 / 4;
-    args.unit_mult = 4;
-  } else {  // GEMM2: subtiles 8u..8u+7
-    args.units = (n_sub + 7) / 8;
-    args.unit_mult = 8;
-    args.sub_stride = 4;
-  }
-  const int n_tiles = (args.units + 1) / 2;
-  if (args.block_m == 128) {
-    LaunchWgmmaTile<T, kCode, 128>(args, max_blocks, n_tiles, stream);
-  } else if (args.block_m == 64) {
-    LaunchWgmmaTile<T, kCode, 64>(args, max_blocks, n_tiles, stream);
-  } else {
-    LaunchWgmmaTile<T, kCode, 32>(args, max_blocks, n_tiles, stream);
-  }
-}
-
-// Whether a launch runs the wgmma GEMM: always at block_m 128, and at 32 / 64 with the kWgmma
-// main loop. Its inputs are then in logical chunk order (PermuteRowsKernel) for both GEMMs.
-inline bool UsesWgmma(int block_m, int mainloop) {
-  return block_m == kWgmmaBlockM || mainloop == static_cast<int>(GemmMainloop::kWgmma);
-}
-
-// The launch attributes both ops accept: block_m 8..64 (mma.sync) or 128 (wgmma, no split-K),
-// split factors >= 1, a GemmMainloop code (kWgmma: block_m 32, 64 or 128, no split-K). Empty
-// string when fine.
-inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, int mainloop) {
-  if (block_m != 8 && block_m != 16 && block_m != 32 && block_m != 64 && block_m != kWgmmaBlockM) {
-    return "block_m must be 8, 16, 32, 64 or 128";
-  }
-  if (mainloop < 0 || mainloop > 3) {
-    return "mainloop must be 0 (registers), 1 (async ring), 2 (bulk copy) or 3 (wgmma)";
-  }
-  if (mainloop == static_cast<int>(GemmMainloop::kWgmma) && block_m < 32) {
-    return "the wgmma main loop takes block_m 32, 64 or 128";
-  }
-  if (UsesWgmma(block_m, mainloop) && (split13 != 1 || split2 != 1)) {
-    return "the wgmma GEMM (block_m 128 or the wgmma main loop) does not split K: split factors "
-           "must be 1";
-  }
-  if (split13 < 1 || split2 < 1 || split13 > kMaxSplitK || split2 > kMaxSplitK) {
-    return "split factors must be in [1, " + std::to_string(kMaxSplitK) + "]";
-  }
-  return "";
-}
-
-// The one GEMM launch of both ops: the wgmma GEMM at block_m 128 or with the kWgmma main loop,
-// else the mma.sync GEMM.
-template <typename T, NibbleCode kCode>
-void LaunchMoeInt4GemmOrWgmma(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
-  if (UsesWgmma(args.block_m, static_cast<int>(args.mainloop))) {
-    LaunchMoeInt4Wgmma<T, kCode>(args, max_blocks, stream);
-  } else {
-    LaunchMoeInt4Gemm<T, kCode>(args, max_blocks, stream);
   }
 }
 

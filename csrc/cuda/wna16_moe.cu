@@ -5,7 +5,7 @@
 
 #include "cuda/moe_int4_decode.cuh"
 #include "cuda/moe_int4_gemm.cuh"
-#include "cuda/moe_int4_wgmma.cuh"
+#include "cuda/moe_int4_gemm_launch.cuh"
 #include "cuda/wna16_moe.h"
 
 namespace jax_moeq::cuda {

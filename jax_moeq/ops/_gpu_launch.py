@@ -44,7 +44,11 @@ SATURATING_FRACTION = 0.5
 #   "wgmma": the wgmma GEMM (MoeInt4WgmmaKernel) with a token tile of block_m (32, 64 or 128;
 #     block_m 128 always takes it): a cp.async ring of token tiles in shared memory, no split-K,
 #     inputs permuted into its chunk order once per call.
-MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2, "wgmma": 3}
+#   "wgmma_ws": the same GEMM (same tiles, results bit-identical) as a persistent kernel, one CTA
+#     per SM, whose producer warpgroup fills the stage ring for two MMA warpgroups
+#     (MoeInt4WgmmaWsKernel, csrc/cuda/moe_int4_wgmma_ws.cuh).
+MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2, "wgmma": 3, "wgmma_ws": 4}
+WGMMA_MAINLOOPS = ("wgmma", "wgmma_ws")
 WGMMA_MAINLOOP_BLOCK_MS = (32, 64, 128)
 DEFAULT_MAINLOOP = "registers"
 
@@ -64,15 +68,15 @@ def mainloop_code(mainloop: str | None, block_m: int | None = None) -> int:
   name = DEFAULT_MAINLOOP if mainloop is None else mainloop
   if name not in MAINLOOPS:
     raise ValueError(f"mainloop must be one of {sorted(MAINLOOPS)}, got {mainloop!r}")
-  if name == "wgmma" and block_m is not None and block_m not in WGMMA_MAINLOOP_BLOCK_MS:
-    raise ValueError(f"the wgmma main loop takes block_m {WGMMA_MAINLOOP_BLOCK_MS}, got {block_m}")
+  if name in WGMMA_MAINLOOPS and block_m is not None and block_m not in WGMMA_MAINLOOP_BLOCK_MS:
+    raise ValueError(f"the {name} main loop takes block_m {WGMMA_MAINLOOP_BLOCK_MS}, got {block_m}")
   return MAINLOOPS[name]
 
 
 def uses_wgmma(block_m: int, mainloop_id: int) -> bool:
   """Whether a launch runs the wgmma GEMM (csrc UsesWgmma): block_m 128, or the wgmma main loop.
   Its inputs are permuted once per call and it never splits K."""
-  return block_m == WGMMA_BLOCK_M or mainloop_id == MAINLOOPS["wgmma"]
+  return block_m == WGMMA_BLOCK_M or mainloop_id in (MAINLOOPS["wgmma"], MAINLOOPS["wgmma_ws"])
 
 
 @functools.cache
@@ -160,6 +164,8 @@ def choose_launch(scheme: str, pairs_per_expert: float, block_m: int | None,
   chosen = block_m is None
   if chosen:
     block_m = choose_block_m(pairs_per_expert)
+    if mainloop in WGMMA_MAINLOOPS:  # a wgmma main loop asked for: its smallest tile at least
+      block_m = max(block_m, WGMMA_MAINLOOP_BLOCK_MS[0])
   if block_m not in BLOCK_MS:
     raise ValueError(f"block_m must be one of {BLOCK_MS}, got {block_m}")
   if mainloop is None:
