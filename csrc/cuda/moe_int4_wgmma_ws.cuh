@@ -2,13 +2,14 @@
 // tiles, stage layout, dequantization and MMAs as MoeInt4WgmmaKernel (moe_int4_wgmma.cuh), fed by
 // a producer warpgroup instead of by the MMA warps themselves. No XLA types.
 //
-// CTA: 384 threads, one CTA per SM, as many CTAs as SMs (fewer when there are fewer tiles).
+// CTA: 384 threads; one CTA per SM (two with the 32-token tile), as many as fit at once (fewer when
+// there are fewer tiles).
 //  - Warpgroup 0, the producer (40 registers after setmaxnreg): for every (expert block, N tile)
 //    of the CTA, for every 64-deep chunk, waits until a stage of the ring is empty, then copies the
 //    token tile, every consumer warp's weight fragments and every consumer lane's scale / zero
 //    words into it with cp.async; each producer thread's arrival on the stage's full barrier
 //    lands once its copies have (cp.async.mbarrier.arrive.noinc).
-//  - Warpgroups 1 and 2, the consumers (232 registers): the two warpgroups of MoeInt4WgmmaKernel.
+//  - Warpgroups 1 and 2, the consumers (232 registers; 96 with two CTAs per SM): the two warpgroups of MoeInt4WgmmaKernel.
 //    Each waits on a stage's full barrier, runs the chunk (WgmmaChunk) and gives the stage of the
 //    chunk before back (one arrival per warp on its empty barrier) once that chunk's MMAs are done.
 //  - Tiles are dealt round-robin (tile = blockIdx.x + i * gridDim.x) over the expert blocks in use
@@ -34,13 +35,21 @@ constexpr int kWsConsumerRegisters = 232;
 static_assert(kWsProducerThreads * kWsProducerRegisters +
                       kWsConsumerThreads * kWsConsumerRegisters <= 65536,
               "the register file holds both roles");
-constexpr int kWsEpilogueBarrier = 1;  // named barrier of the consumer threads (0: __syncthreads)
+// Named barriers (0 is __syncthreads): the consumers' epilogue, the producer warpgroup, and each
+// consumer warpgroup.
+constexpr int kWsEpilogueBarrier = 1;
+constexpr int kWsProducerBarrier = 2;
+constexpr int kWsConsumerGroupBarrier = 3;  // + the consumer warpgroup (0, 1)
 
 template <int kN>
 struct WgmmaWsTile {
   using Tile = WgmmaTile<kN>;
+  // Two CTAs per SM for the 32-token tile (four MMA warpgroups, as MoeInt4WgmmaKernel has there):
+  // one CTA of 8 stages ran WNA16 Qwen3-30B-A3B T=256 at 1.11x MoeInt4WgmmaKernel's time, two of
+  // 4 stages at 1.06x (H100 and H200, 2026-11-27).
+  static constexpr int kCtasPerSm = kN == 32 ? 2 : 1;
   // Stages: as many as fit beside the epilogue's staging area in 227 KB.
-  static constexpr int kStages = kN == 128 ? 5 : kN == 64 ? 7 : 8;
+  static constexpr int kStages = kN == 128 ? 5 : kN == 64 ? 7 : 4;
   static constexpr int kPassTokens = kN < 64 ? kN : 64;
   static constexpr int kActivationBytes = kN * kWgOutRowBytes;
   static constexpr int kRoundedBytes = kPassTokens * kWgRoundedRowBytes;
@@ -50,7 +59,9 @@ struct WgmmaWsTile {
   static constexpr int kBarrierOffset = kEpilogueOffset + kEpilogueBytes;
   static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + 1024;  // + alignment slack
   static_assert(kEpilogueBytes % 16 == 0, "16-byte aligned barriers");
-  static_assert(kSmemBytes <= 227 * 1024, "within the opt-in shared memory of sm_90");
+  static_assert(kSmemBytes * kCtasPerSm <= 227 * 1024, "within the shared memory of sm_90");
+  // Two CTAs: 80 registers a thread at launch; the producer's 40 given up make 96 (no spills).
+  static constexpr int kConsumerRegisters = kCtasPerSm == 2 ? 96 : kWsConsumerRegisters;
 };
 
 template <int kRegisters>
@@ -68,6 +79,15 @@ __device__ __forceinline__ void SetMaxRegistersDecrease() {
 
 __device__ __forceinline__ void ConsumerBarrier() {
   asm volatile("bar.sync %0, %1;" ::"n"(kWsEpilogueBarrier), "n"(kWsConsumerThreads) : "memory");
+}
+
+// Waits for `bar`'s phase `parity` with one polling thread (the group's first) while the group's
+// other warps wait at a named barrier of `threads` threads, so that waiting warps do not poll.
+// Every warp polling measured the same (H200, 2026-11-27: within 1 % at T = 256-4096).
+__device__ __forceinline__ void WaitAsGroup(uint64_t* bar, uint32_t parity, bool poller,
+                                            int barrier_id, int threads) {
+  if (poller) MbarrierWait(bar, parity);
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier_id), "r"(threads) : "memory");
 }
 
 // Expert blocks in use: those below the padded end (the sorted format), or every row block.
@@ -138,7 +158,8 @@ __device__ __forceinline__ void WsProduce(const MoeGemmArgs& p, uint32_t smem, u
                      : ~0u;
     }
     // Weight fragments: pieces q = ptid + 128 m of the stage's 512 (consumer warp q / 64, tile
-    // (q / 32) % 2, lane q % 32), each 16 bytes of a 512-byte chunk of its subtile.
+    // (q / 32) % 2, lane q % 32), each 16 bytes of a 512-byte chunk of its subtile. (Bulk copies
+    // of the 16 whole 512-byte chunks from one warp ran 1.4-1.6x slower, H200, 2026-11-27.)
     const uint4* w_expert = p.w + static_cast<int64_t>(expert) * n_sub * chunks * 32;
     uint32_t w_off[4];
 #pragma unroll
@@ -160,7 +181,8 @@ __device__ __forceinline__ void WsProduce(const MoeGemmArgs& p, uint32_t smem, u
       }
     }
     for (int kc = 0; kc < chunks; ++kc) {
-      MbarrierWait(&empty[stage], phase ^ 1);  // the consumers gave the stage back
+      // The consumers gave the stage back.
+      WaitAsGroup(&empty[stage], phase ^ 1, ptid == 0, kWsProducerBarrier, kWsProducerThreads);
       const uint32_t st = smem + stage * Tile::kStageBytes;
       const T* x = reinterpret_cast<const T*>(p.x) + kc * 64;
 #pragma unroll
@@ -198,7 +220,7 @@ __device__ __forceinline__ void WsProduce(const MoeGemmArgs& p, uint32_t smem, u
 }
 
 template <typename T, NibbleCode kCode, bool kExpertBlockFastest, int kN>
-__global__ void __launch_bounds__(kWsThreads, 1)
+__global__ void __launch_bounds__(kWsThreads, WgmmaWsTile<kN>::kCtasPerSm)
     MoeInt4WgmmaWsKernel(MoeGemmArgs p, int max_blocks, int n_tiles) {
   using Tile = WgmmaTile<kN>;
   using Ws = WgmmaWsTile<kN>;
@@ -224,7 +246,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     WsProduce<T, kN>(p, smem, full, empty, blocks, n_tiles, kExpertBlockFastest);
     return;
   }
-  SetMaxRegistersIncrease<kWsConsumerRegisters>();
+  SetMaxRegistersIncrease<Ws::kConsumerRegisters>();
   const int tid = threadIdx.x - kWsProducerThreads, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = p.k / 64;
@@ -250,7 +272,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       for (int i = 0; i < kN / 2; ++i) acc[j][i] = 0.0f;
     int prev = -1;
     for (int kc = 0; kc < chunks; ++kc) {
-      MbarrierWait(&full[stage], phase);  // every producer thread's copies have landed
+      // Every producer thread's copies have landed.
+      WaitAsGroup(&full[stage], phase, (tid & 127) == 0, kWsConsumerGroupBarrier + (warp >> 2),
+                  128);
       FenceProxyAsync();                  // ... and are visible to the tensor cores
       WgmmaChunk<T, kCode, kN>(smem + stage * Tile::kStageBytes, weight_off, word_off,
                                p.zeros != nullptr, acc, a);
@@ -313,7 +337,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
 }
 
-// Host: the persistent kernel over max_blocks x n_tiles tiles, at most one CTA per SM.
+// Host: the persistent kernel over max_blocks x n_tiles tiles, kCtasPerSm CTAs per SM at most.
 template <typename T, NibbleCode kCode, bool kExpertBlockFastest, int kN>
 void LaunchWgmmaWsKernel(const MoeGemmArgs& args, int max_blocks, int n_tiles,
                          cudaStream_t stream) {
@@ -325,7 +349,8 @@ void LaunchWgmmaWsKernel(const MoeGemmArgs& args, int max_blocks, int n_tiles,
                       ? figures.sms
                       : 1;
   const int64_t tiles = static_cast<int64_t>(max_blocks) * n_tiles;
-  const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms, tiles)));
+  const int ctas = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(int64_t{sms} * WgmmaWsTile<kN>::kCtasPerSm, tiles)));
   LaunchAfterPrior(kernel, dim3(ctas), dim3(kWsThreads), WgmmaWsTile<kN>::kSmemBytes, stream, args,
                    max_blocks, n_tiles);
 }
