@@ -9,7 +9,8 @@
 //    token tile, every consumer warp's weight fragments and every consumer lane's scale / zero
 //    words into it with cp.async; each producer thread's arrival on the stage's full barrier
 //    lands once its copies have (cp.async.mbarrier.arrive.noinc).
-//  - Warpgroups 1 and 2, the consumers (232 registers; 96 with two CTAs per SM): the two warpgroups of MoeInt4WgmmaKernel.
+//  - Warpgroups 1 and 2, the consumers (232 registers; 96 with two CTAs per SM): the two
+//    warpgroups of MoeInt4WgmmaKernel.
 //    Each waits on a stage's full barrier, runs the chunk (WgmmaChunk) and gives the stage of the
 //    chunk before back (one arrival per warp on its empty barrier) once that chunk's MMAs are done.
 //  - Tiles are dealt round-robin (tile = blockIdx.x + i * gridDim.x) over the expert blocks in use
