@@ -167,7 +167,8 @@ __device__ __forceinline__ void StoreRoundedTile(const MoeGemmArgs& p, uint32_t 
   const bool n_ok = n0 < p.n;
   float bias[8] = {};
   if (p.bias && n_ok) {
-    const float4* b = reinterpret_cast<const float4*>(p.bias + static_cast<int64_t>(expert) * p.n + n0);
+    const float4* b =
+        reinterpret_cast<const float4*>(p.bias + static_cast<int64_t>(expert) * p.n + n0);
     const float4 lo = __ldg(b), hi = __ldg(b + 1);
     bias[0] = lo.x; bias[1] = lo.y; bias[2] = lo.z; bias[3] = lo.w;
     bias[4] = hi.x; bias[5] = hi.y; bias[6] = hi.z; bias[7] = hi.w;

@@ -117,7 +117,8 @@ __device__ __forceinline__ int WsSubtile(const MoeGemmArgs& p, int n_tile, int c
   const int n_sub = p.n / 16;
   const int unit = n_tile * 2 + (consumer_warp >> 2);
   const int sub0 = unit * p.unit_mult + (consumer_warp & 3);
-  const bool tile_ok = unit < p.units && (j == 0 || sub0 + p.sub_stride - (consumer_warp & 3) + 3 < n_sub);
+  const bool tile_ok =
+      unit < p.units && (j == 0 || sub0 + p.sub_stride - (consumer_warp & 3) + 3 < n_sub);
   if (ok) *ok = tile_ok;
   return tile_ok ? sub0 + j * p.sub_stride : 0;
 }
@@ -154,9 +155,8 @@ __device__ __forceinline__ void WsProduce(const MoeGemmArgs& p, uint32_t smem, u
 #pragma unroll
     for (int i = 0; i < kTokenPieces; ++i) {
       const int id = BlockRow(p, blk, kN, (ptid >> 3) + 16 * i);
-      x_off[i] = id < p.num_rows
-                     ? static_cast<uint32_t>(static_cast<int64_t>(id / p.in_div) * p.ld_x) + 8 * piece
-                     : ~0u;
+      const int64_t row = static_cast<int64_t>(id / p.in_div) * p.ld_x;
+      x_off[i] = id < p.num_rows ? static_cast<uint32_t>(row) + 8 * piece : ~0u;
     }
     // Weight fragments: pieces q = ptid + 128 m of the stage's 512 (consumer warp q / 64, tile
     // (q / 32) % 2, lane q % 32), each 16 bytes of a 512-byte chunk of its subtile. (Bulk copies
@@ -178,7 +178,8 @@ __device__ __forceinline__ void WsProduce(const MoeGemmArgs& p, uint32_t smem, u
       word_t[h] = lane & 3;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        word_row[h][j] = static_cast<uint32_t>(WsSubtile(p, n_tile, cw, j, nullptr)) * 8 + (lane >> 2);
+        const int s = WsSubtile(p, n_tile, cw, j, nullptr);
+        word_row[h][j] = static_cast<uint32_t>(s) * 8 + (lane >> 2);
       }
     }
     for (int kc = 0; kc < chunks; ++kc) {
