@@ -46,8 +46,8 @@ template <int kN>
 struct WgmmaWsTile {
   using Tile = WgmmaTile<kN>;
   // Two CTAs per SM for the 32-token tile (four MMA warpgroups, as MoeInt4WgmmaKernel has there):
-  // one CTA of 8 stages ran WNA16 Qwen3-30B-A3B T=256 at 1.11x MoeInt4WgmmaKernel's time, two of
-  // 4 stages at 1.06x (H100 and H200, 2026-11-27).
+  // WNA16 Qwen3-30B-A3B T=256 ran at 1.06x MoeInt4WgmmaKernel's time with two CTAs of 4 stages
+  // (H200), 1.12x with one of 8 (H100; 2026-11-27, docs/performance.md).
   static constexpr int kCtasPerSm = kN == 32 ? 2 : 1;
   // Stages: as many as fit beside the epilogue's staging area in 227 KB.
   static constexpr int kStages = kN == 128 ? 5 : kN == 64 ? 7 : 4;
