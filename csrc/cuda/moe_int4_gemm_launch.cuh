@@ -5,12 +5,25 @@
 #pragma once
 
 #include <string>
+#include <type_traits>
 
 #include "cuda/moe_int4_gemm.cuh"
 #include "cuda/moe_int4_wgmma.cuh"
 #include "cuda/moe_int4_wgmma_ws.cuh"
 
 namespace jax_moeq::cuda {
+
+// f(std::integral_constant<int, kN>) for the token tile kN = block_m (128, 64, else 32).
+template <typename F>
+void WithTokenTile(int block_m, F&& f) {
+  if (block_m == 128) {
+    f(std::integral_constant<int, 128>{});
+  } else if (block_m == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else {
+    f(std::integral_constant<int, 32>{});
+  }
+}
 
 // Host: one launch of the wgmma GEMM (token tile block_m: 32, 64 or 128). `args` carries the
 // per-warp unit geometry of the mma.sync kernel (GEMM1: unit_mult 1, sub_stride N/32; GEMM2:
@@ -30,23 +43,15 @@ void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStrea
     args.sub_stride = 4;
   }
   const int n_tiles = (args.units + 1) / 2;
-  if (args.mainloop == GemmMainloop::kWgmmaWs) {
-    if (args.block_m == 128) {
-      LaunchWgmmaWsTile<T, kCode, 128>(args, max_blocks, n_tiles, stream);
-    } else if (args.block_m == 64) {
-      LaunchWgmmaWsTile<T, kCode, 64>(args, max_blocks, n_tiles, stream);
+  const bool persistent = args.mainloop == GemmMainloop::kWgmmaWs;
+  WithTokenTile(args.block_m, [&](auto tile) {
+    constexpr int kN = decltype(tile)::value;
+    if (persistent) {
+      LaunchWgmmaWsTile<T, kCode, kN>(args, max_blocks, n_tiles, stream);
     } else {
-      LaunchWgmmaWsTile<T, kCode, 32>(args, max_blocks, n_tiles, stream);
+      LaunchWgmmaTile<T, kCode, kN>(args, max_blocks, n_tiles, stream);
     }
-    return;
-  }
-  if (args.block_m == 128) {
-    LaunchWgmmaTile<T, kCode, 128>(args, max_blocks, n_tiles, stream);
-  } else if (args.block_m == 64) {
-    LaunchWgmmaTile<T, kCode, 64>(args, max_blocks, n_tiles, stream);
-  } else {
-    LaunchWgmmaTile<T, kCode, 32>(args, max_blocks, n_tiles, stream);
-  }
+  });
 }
 
 // Whether a launch runs a wgmma GEMM: always at block_m 128, and at 32 / 64 with the kWgmma or

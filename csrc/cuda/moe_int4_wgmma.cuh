@@ -273,6 +273,55 @@ __device__ __forceinline__ void WgmmaChunk(uint32_t st, uint32_t weight_off, uin
   }
 }
 
+// The epilogue of both wgmma kernels for consumer thread tid (0 .. 255) of a tile: the staged
+// activation store (GEMM1 without act-order) or rounded store (GEMM2, kPass tokens per pass) in
+// the shared memory at `staging`, meeting at sync(); else unstaged stores from the registers.
+// Accumulator d[4 nb + c] = row g + 8 (c >> 1) of each subtile, token column 8 nb + 2t + (c & 1).
+template <typename T, int kN, int kPass, typename Sync>
+__device__ __forceinline__ void StoreWgmmaTile(const MoeGemmArgs& p, uint32_t staging, int blk,
+                                               int expert, int n_tile,
+                                               const float (&acc)[2][kN / 2],
+                                               const bool (&tile_ok)[2], const int (&sub)[2],
+                                               int tid, Sync sync) {
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+  if (p.epilogue == EpilogueKind::kActivation && p.act_col == nullptr) {
+    // The activation kind is uniform: one specialized loop each, no branch per element.
+    if (p.activation == 1) {
+      StoreActivationTile<T, 1, kN>(p, staging, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
+    } else {
+      StoreActivationTile<T, 0, kN>(p, staging, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
+    }
+    return;
+  }
+  if (p.epilogue == EpilogueKind::kRoundedStore) {
+    StoreRoundedTile<T, kN, kPass>(p, staging, blk, expert, n_tile, acc, tile_ok, tid, sync);
+    return;
+  }
+  if (!tile_ok[0]) return;
+#pragma unroll
+  for (int nb = 0; nb < kN / 8; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int id = BlockRow(p, blk, kN, 8 * nb + 2 * t + e);
+      if (id >= p.num_rows) continue;
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int row = g + 8 * rh;
+        const int i = 4 * nb + 2 * rh + e;
+        if (p.epilogue == EpilogueKind::kActivation) {  // act-order: columns through act_col
+          StoreActivation<T, true>(p, expert, sub[0] * 16 + row, id, acc[0][i], acc[1][i]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            if (!tile_ok[j]) continue;
+            p.ws[static_cast<int64_t>(id) * p.n + sub[j] * 16 + row] = acc[j][i];
+          }
+        }
+      }
+    }
+  }
+}
+
 // Grid order: blockIdx.x = expert block and blockIdx.y = N tile (kExpertBlockFastest), or the
 // reverse. GEMM1 runs expert blocks fastest: a wave then covers every token block of one or two
 // N tiles, whose weights it reads once while the (small) permuted inputs stay in L2. GEMM2's
@@ -390,9 +439,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
   FenceAccumulators(acc[0]);
   FenceAccumulators(acc[1]);
 
-  // Epilogue. Accumulator d[4 nb + c] = row g + 8 (c >> 1) of each subtile, token column
-  // 8 nb + 2t + (c & 1). The tensor cores idle until the CTA exits, so its instructions count.
-  // The output tile is staged in the drained pipeline stages.
+  // Epilogue, staged in the drained pipeline stages. The tensor cores idle until the CTA exits,
+  // so its instructions count.
   static_assert(kN * kWgOutRowBytes <= kWgmmaStages * Tile::kStageBytes &&
                     kN * kWgRoundedRowBytes <= kWgmmaStages * Tile::kStageBytes,
                 "the output tile fits in the pipeline stages");
@@ -400,42 +448,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, WgmmaTile<kN>::kCtasPerSm)
     CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
     __syncthreads();   // every warp has read its last stage
   };
-  if (p.epilogue == EpilogueKind::kActivation && p.act_col == nullptr) {
-    // The activation kind is uniform: one specialized loop each, no branch per element.
-    if (p.activation == 1) {
-      StoreActivationTile<T, 1, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
-    } else {
-      StoreActivationTile<T, 0, kN>(p, smem, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
-    }
-    return;
-  }
-  if (p.epilogue == EpilogueKind::kRoundedStore) {
-    StoreRoundedTile<T, kN, kN>(p, smem, blk, expert, n_tile, acc, tile_ok, tid, sync);
-    return;
-  }
-  if (!tile_ok[0]) return;
-#pragma unroll
-  for (int nb = 0; nb < kN / 8; ++nb) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int id = BlockRow(p, blk, kN, 8 * nb + 2 * t + e);
-      if (id >= p.num_rows) continue;
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int row = g + 8 * rh;
-        const int i = 4 * nb + 2 * rh + e;
-        if (p.epilogue == EpilogueKind::kActivation) {  // act-order: columns through act_col
-          StoreActivation<T, true>(p, expert, sub[0] * 16 + row, id, acc[0][i], acc[1][i]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            if (!tile_ok[j]) continue;
-            p.ws[static_cast<int64_t>(id) * p.n + sub[j] * 16 + row] = acc[j][i];
-          }
-        }
-      }
-    }
-  }
+  StoreWgmmaTile<T, kN, kN>(p, smem, blk, expert, n_tile, acc, tile_ok, sub, tid, sync);
 }
 
 template <typename T, NibbleCode kCode, bool kExpertBlockFastest, int kN>

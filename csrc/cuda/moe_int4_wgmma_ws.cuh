@@ -250,7 +250,6 @@ __global__ void __launch_bounds__(kWsThreads, WgmmaWsTile<kN>::kCtasPerSm)
   }
   SetMaxRegistersIncrease<Ws::kConsumerRegisters>();
   const int tid = threadIdx.x - kWsProducerThreads, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
   const int chunks = p.k / 64;
   const uint32_t weight_off = Tile::kStageTokens + (warp * 2 * 32 + lane) * 16;
   const uint32_t word_off = Tile::kStageTokens + kWgStageWeights + tid * 4;
@@ -299,43 +298,9 @@ __global__ void __launch_bounds__(kWsThreads, WgmmaWsTile<kN>::kCtasPerSm)
       if (lane == 0) MbarrierArrive(&empty[prev]);
     }
 
-    // Epilogue, as MoeInt4WgmmaKernel's, staged in the epilogue area.
-    if (p.epilogue == EpilogueKind::kActivation && p.act_col == nullptr) {
-      if (p.activation == 1) {
-        StoreActivationTile<T, 1, kN>(p, epilogue, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
-      } else {
-        StoreActivationTile<T, 0, kN>(p, epilogue, blk, expert, n_tile, acc, tile_ok[0], tid, sync);
-      }
-      continue;
-    }
-    if (p.epilogue == EpilogueKind::kRoundedStore) {
-      StoreRoundedTile<T, kN, Ws::kPassTokens>(p, epilogue, blk, expert, n_tile, acc, tile_ok,
-                                               tid, sync);
-      continue;
-    }
-    if (!tile_ok[0]) continue;
-#pragma unroll
-    for (int nb = 0; nb < kN / 8; ++nb) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int id = BlockRow(p, blk, kN, 8 * nb + 2 * t + e);
-        if (id >= p.num_rows) continue;
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const int row = g + 8 * rh;
-          const int i = 4 * nb + 2 * rh + e;
-          if (p.epilogue == EpilogueKind::kActivation) {  // act-order: columns through act_col
-            StoreActivation<T, true>(p, expert, sub[0] * 16 + row, id, acc[0][i], acc[1][i]);
-          } else {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              if (!tile_ok[j]) continue;
-              p.ws[static_cast<int64_t>(id) * p.n + sub[j] * 16 + row] = acc[j][i];
-            }
-          }
-        }
-      }
-    }
+    // Epilogue, staged in the epilogue area.
+    StoreWgmmaTile<T, kN, Ws::kPassTokens>(p, epilogue, blk, expert, n_tile, acc, tile_ok, sub,
+                                           tid, sync);
   }
 }
 
