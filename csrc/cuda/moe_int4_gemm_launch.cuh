@@ -54,16 +54,20 @@ void LaunchMoeInt4Wgmma(const MoeGemmArgs& group_args, int max_blocks, cudaStrea
   });
 }
 
-// Whether a launch runs a wgmma GEMM: always at block_m 128, and at 32 / 64 with the kWgmma or
-// kWgmmaWs main loop. Its inputs are then in logical chunk order (PermuteRowsKernel) for both
-// GEMMs.
-inline bool UsesWgmma(int block_m, int mainloop) {
-  return block_m == kWgmmaBlockM || mainloop == static_cast<int>(GemmMainloop::kWgmma) ||
+// Whether a GemmMainloop code names a wgmma main loop (kWgmma, kWgmmaWs).
+inline bool IsWgmmaMainloop(int mainloop) {
+  return mainloop == static_cast<int>(GemmMainloop::kWgmma) ||
          mainloop == static_cast<int>(GemmMainloop::kWgmmaWs);
 }
 
+// Whether a launch runs a wgmma GEMM: always at block_m 128, and at 32 / 64 with a wgmma main
+// loop. Its inputs are then in logical chunk order (PermuteRowsKernel) for both GEMMs.
+inline bool UsesWgmma(int block_m, int mainloop) {
+  return block_m == kWgmmaBlockM || IsWgmmaMainloop(mainloop);
+}
+
 // The launch attributes both ops accept: block_m 8..64 (mma.sync) or 128 (wgmma, no split-K),
-// split factors >= 1, a GemmMainloop code (kWgmma: block_m 32, 64 or 128, no split-K). Empty
+// split factors >= 1, a GemmMainloop code (a wgmma one: block_m 32, 64 or 128, no split-K). Empty
 // string when fine.
 inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, int mainloop) {
   if (block_m != 8 && block_m != 16 && block_m != 32 && block_m != 64 && block_m != kWgmmaBlockM) {
@@ -73,9 +77,7 @@ inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, i
     return "mainloop must be 0 (registers), 1 (async ring), 2 (bulk copy), 3 (wgmma) or 4 "
            "(wgmma_ws)";
   }
-  if ((mainloop == static_cast<int>(GemmMainloop::kWgmma) ||
-       mainloop == static_cast<int>(GemmMainloop::kWgmmaWs)) &&
-      block_m < 32) {
+  if (IsWgmmaMainloop(mainloop) && block_m < 32) {
     return "the wgmma main loops take block_m 32, 64 or 128";
   }
   if (UsesWgmma(block_m, mainloop) && (split13 != 1 || split2 != 1)) {

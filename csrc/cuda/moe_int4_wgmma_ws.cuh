@@ -111,7 +111,8 @@ __device__ __forceinline__ void WsTileCoordinates(int tile, int blocks, int n_ti
 
 // Subtile of a consumer warp's tile j (0: sub0, 1: sub0 + sub_stride) in N tile n_tile; a tile
 // that stores nothing (odd unit count, or past N) reads subtile 0. Producer and consumers agree
-// through this one function.
+// through this one function. It repeats the placement written out in MoeInt4WgmmaKernel, which
+// keeps its own form until a GPU run checks a change there.
 __device__ __forceinline__ int WsSubtile(const MoeGemmArgs& p, int n_tile, int consumer_warp,
                                          int j, bool* ok) {
   const int n_sub = p.n / 16;
@@ -123,10 +124,9 @@ __device__ __forceinline__ int WsSubtile(const MoeGemmArgs& p, int n_tile, int c
   return tile_ok ? sub0 + j * p.sub_stride : 0;
 }
 
-template <typename T, int kN>
+template <typename T, bool kExpertBlockFastest, int kN>
 __device__ __forceinline__ void WsProduce(const MoeGemmArgs& p, uint32_t smem, uint64_t* full,
-                                          uint64_t* empty, int blocks, int n_tiles,
-                                          bool expert_block_fastest) {
+                                          uint64_t* empty, int blocks, int n_tiles) {
   using Tile = WgmmaTile<kN>;
   using Ws = WgmmaWsTile<kN>;
   const int ptid = threadIdx.x;  // 0 .. 127
@@ -144,11 +144,7 @@ __device__ __forceinline__ void WsProduce(const MoeGemmArgs& p, uint32_t smem, u
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     int blk, n_tile;
-    if (expert_block_fastest) {
-      WsTileCoordinates<true>(tile, blocks, n_tiles, &blk, &n_tile);
-    } else {
-      WsTileCoordinates<false>(tile, blocks, n_tiles, &blk, &n_tile);
-    }
+    WsTileCoordinates<kExpertBlockFastest>(tile, blocks, n_tiles, &blk, &n_tile);
     const int expert = BlockExpert(p, blk, kN);
     if (expert < 0) continue;
     uint32_t x_off[kTokenPieces];  // element offsets into x; ~0u: a padding row (zero-filled)
@@ -245,7 +241,7 @@ __global__ void __launch_bounds__(kWsThreads, WgmmaWsTile<kN>::kCtasPerSm)
 
   if (threadIdx.x < kWsProducerThreads) {
     SetMaxRegistersDecrease<kWsProducerRegisters>();
-    WsProduce<T, kN>(p, smem, full, empty, blocks, n_tiles, kExpertBlockFastest);
+    WsProduce<T, kExpertBlockFastest, kN>(p, smem, full, empty, blocks, n_tiles);
     return;
   }
   SetMaxRegistersIncrease<Ws::kConsumerRegisters>();

@@ -45,10 +45,12 @@ SATURATING_FRACTION = 0.5
 #     block_m 128 always takes it): a cp.async ring of token tiles in shared memory, no split-K,
 #     inputs permuted into its chunk order once per call.
 #   "wgmma_ws": the same GEMM (same tiles, results bit-identical) as a persistent kernel, one CTA
-#     per SM, whose producer warpgroup fills the stage ring for two MMA warpgroups
-#     (MoeInt4WgmmaWsKernel, csrc/cuda/moe_int4_wgmma_ws.cuh).
+#     per SM (two with the 32-token tile), whose producer warpgroup fills the stage ring for two
+#     MMA warpgroups (MoeInt4WgmmaWsKernel, csrc/cuda/moe_int4_wgmma_ws.cuh); measured slower
+#     than "wgmma" (docs/performance.md), never chosen.
 MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2, "wgmma": 3, "wgmma_ws": 4}
 WGMMA_MAINLOOPS = ("wgmma", "wgmma_ws")
+_WGMMA_MAINLOOP_IDS = tuple(MAINLOOPS[name] for name in WGMMA_MAINLOOPS)
 WGMMA_MAINLOOP_BLOCK_MS = (32, 64, 128)
 DEFAULT_MAINLOOP = "registers"
 
@@ -76,7 +78,7 @@ def mainloop_code(mainloop: str | None, block_m: int | None = None) -> int:
 def uses_wgmma(block_m: int, mainloop_id: int) -> bool:
   """Whether a launch runs the wgmma GEMM (csrc UsesWgmma): block_m 128, or the wgmma main loop.
   Its inputs are permuted once per call and it never splits K."""
-  return block_m == WGMMA_BLOCK_M or mainloop_id in (MAINLOOPS["wgmma"], MAINLOOPS["wgmma_ws"])
+  return block_m == WGMMA_BLOCK_M or mainloop_id in _WGMMA_MAINLOOP_IDS
 
 
 @functools.cache

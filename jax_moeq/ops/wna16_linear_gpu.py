@@ -253,7 +253,7 @@ def choose_linear_launch(rows: int, out_features: int, in_features: int, *,
   elif not isinstance(split, (int, np.integer)) or not 1 <= split <= 1024:
     raise ValueError(f"split must be an int in [1, 1024], got {split!r}")
   elif wgmma and split != 1:
-    raise ValueError("the wgmma GEMM (block_m 128 or mainloop 'wgmma') does not split K: "
+    raise ValueError("the wgmma GEMM (block_m 128 or a wgmma main loop) does not split K: "
                      f"split must be 1, got {split}")
   return block_m, mainloop_id, int(split)
 
