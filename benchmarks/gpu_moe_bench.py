@@ -259,8 +259,18 @@ def argument_parser() -> argparse.ArgumentParser:
   ap.add_argument("--tokens", default=None, help="comma-separated T values (overrides --quick)")
   ap.add_argument("--alt-kw", default=None,
                   help='the alternative as op keywords in JSON, e.g. \'{"fused_decode": false}\' '
-                       "(the one-token path as separate kernels); overrides the other --alt options")
+                       "(the one-token path as separate kernels); overrides the other --alt options; "
+                       "'none': no alternative")
   return ap
+
+
+def alternative(args, kw: dict, name: str) -> tuple[dict | None, str | None]:
+  """The launch timed beside the default: --alt-kw's JSON, none for 'none', else (kw, name)."""
+  if args.alt_kw == "none":
+    return None, None
+  if args.alt_kw:
+    return json.loads(args.alt_kw), args.alt_kw
+  return kw, name
 
 
 def start(args) -> tuple[bool, float, tuple[int, ...]]:
@@ -289,11 +299,9 @@ def main():
   args = ap.parse_args()
   have_torch, hbm, tokens = start(args)
   dev = jax.devices()[0]
-  alt_kw = (dict(block_m=args.alt_block_m) if args.alt_block_m else
-            dict(mainloop=args.alt_mainloop))
-  alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else f"mainloop={args.alt_mainloop!r}"
-  if args.alt_kw:
-    alt_kw, alt_name = json.loads(args.alt_kw), args.alt_kw
+  alt_kw, alt_name = alternative(
+      args, dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop=args.alt_mainloop),
+      f"block_m={args.alt_block_m}" if args.alt_block_m else f"mainloop={args.alt_mainloop!r}")
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]
@@ -325,8 +333,8 @@ def main():
                           ) / ROUTING_SETS
       t_ours_1 = time_calls(lambda ids, w, wts: ours(x, wts, w, ids),
                             [(ids, w, layers[j]) for j, (ids, w) in enumerate(dsets)])
-      t_alt = time_calls(lambda a, b: alt_multi(x, layers, a, b), [(ids_stack, w_stack)]
-                          ) / ROUTING_SETS
+      t_alt = None if alt_kw is None else time_calls(
+          lambda a, b: alt_multi(x, layers, a, b), [(ids_stack, w_stack)]) / ROUTING_SETS
       t_ragged = ragged_time(ragged, x, dsets, w13_bf, w2_bf)
       t_torch = None
       if have_torch:
@@ -337,7 +345,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
-                 alt=alt_name, alt_us=t_alt * 1e6,
+                 alt=alt_name, alt_us=None if t_alt is None else t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12, ragged_us=t_ragged * 1e6,
@@ -357,7 +365,7 @@ def main():
     tt = "n/a" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
     xt = "n/a" if r["x_torch"] is None else f"{r['x_torch']:.2f}"
     print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} "
-          f"{r['alt_us']:8.1f} "
+          f"{'n/a' if r['alt_us'] is None else format(r['alt_us'], '.1f'):>8} "
           f"{r['tbps']:6.2f} {100 * r['hbm_frac']:5.0f} "
           f"{r['tflops']:8.1f} {r['ragged_us']:10.1f} {r['x_ragged']:8.1f} {tt:>9} {xt:>7}")
 

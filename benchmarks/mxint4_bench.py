@@ -69,10 +69,9 @@ def main():
   dev = jax.devices()[0]
   if args.no_peers:
     have_torch = False
-  alt_kw = dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring")
-  alt_name = f"block_m={args.alt_block_m}" if args.alt_block_m else "mainloop='async_ring'"
-  if args.alt_kw:
-    alt_kw, alt_name = json.loads(args.alt_kw), args.alt_kw
+  alt_kw, alt_name = peers.alternative(
+      args, dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring"),
+      f"block_m={args.alt_block_m}" if args.alt_block_m else "mainloop='async_ring'")
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]
@@ -109,7 +108,8 @@ def main():
       t_ours = peers.time_calls(lambda ls: ours_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
       t_ours_1 = peers.time_calls(lambda l, wts: ours(x, l, *wts),
                                   [(l, layers[j]) for j, (l,) in enumerate(dlogits)])
-      t_alt = peers.time_calls(lambda ls: alt_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
+      t_alt = None if alt_kw is None else peers.time_calls(
+          lambda ls: alt_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
       t_ragged = None if args.no_peers else peers.ragged_time(ragged, x, dlogits, w13_bf, w2_bf)
       t_torch = None
       if have_torch:
@@ -120,7 +120,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
-                 alt=alt_name, alt_us=t_alt * 1e6,
+                 alt=alt_name, alt_us=None if t_alt is None else t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12,
@@ -142,7 +142,7 @@ def main():
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   for r in rows:
     print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} "
-          f"{r['alt_us']:8.1f} {r['tbps']:6.2f} "
+          f"{fmt(r['alt_us'], '.1f'):>8} {r['tbps']:6.2f} "
           f"{100 * r['hbm_frac']:5.0f} {r['tflops']:8.1f} {fmt(r['ragged_us'], '.1f'):>10} "
           f"{fmt(r['x_ragged'], '.1f'):>8} {fmt(r['torch_us'], '.1f'):>9} "
           f"{fmt(r['x_torch'], '.2f'):>7}")
