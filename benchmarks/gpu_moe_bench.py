@@ -242,11 +242,12 @@ def copy_bandwidth():
   return 2 * x.nbytes / sec
 
 
-def save_rows(path: str | None, dev, hbm: float, rows: list[dict]) -> None:
-  """Writes a run's rows, the device and its copy rate as JSON to `path` (nothing without one)."""
+def save_rows(path: str | None, dev, hbm: float, rows: list[dict], op: str = "WNA16") -> None:
+  """Writes a run's rows, the op timed as `us`, the device and its copy rate as JSON to `path`
+  (nothing without one)."""
   if path:
     with open(path, "w") as f:
-      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, rows=rows), f, indent=1)
+      json.dump(dict(device=dev.device_kind, copy_tbps=hbm / 1e12, op=op, rows=rows), f, indent=1)
 
 
 def argument_parser() -> argparse.ArgumentParser:

@@ -131,7 +131,7 @@ def main():
       rows.append(row)
       print(json.dumps(row), flush=True)
     del layers, w13_bf, w2_bf
-  peers.save_rows(args.json, dev, hbm, rows)
+  peers.save_rows(args.json, dev, hbm, rows, op="MxInt4")
   print(f"\nMxInt4 (int4, bf16 scales per 32, routing in the call): {dev.device_kind}, copy "
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print(f"us: per layer, {LOGIT_SETS} layers (own weights and logits) in one jit; us1: one jit dispatch "

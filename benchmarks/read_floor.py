@@ -73,7 +73,7 @@ def main() -> None:
       rows.append(row)
       print(json.dumps(row), flush=True)
       del w13, w2, both
-  save_rows(args.json, dev, hbm, rows)
+  save_rows(args.json, dev, hbm, rows, op="read floor")
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s; in-graph us per layer, "
         "8 layers in one jit")
   print(f"{'shape':18} {'T':>5} {'MB':>6} {'read1 us':>9} {'%HBM':>5} {'read2 us':>9} {'%HBM':>5}")
