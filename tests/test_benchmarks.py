@@ -142,12 +142,85 @@ def test_gpu_roofline_plot_reads_both_benchmark_json_kinds(monkeypatch, tmp_path
       dict(shape="S", T=64, a_us=None, b_us=None)])))
   device, series = plot.load_row_group([str(moe)], 700e12)
   assert device == "GPU"
-  assert series["ours (WNA16)"] == pytest.approx({("S", 1): 50.0, ("S", 4096): 50.0})
+  assert series["ours WNA16"] == pytest.approx({("S", 1): 50.0, ("S", 4096): 50.0})
   assert series["XLA ragged_dot (bf16)"] == pytest.approx({("S", 1): 12.5})
   _, series = plot.load_row_group([str(peers)], 700e12)
   assert sorted(series) == ["a", "b"]
   assert series["a"] == pytest.approx({("S", 16): 25.0})
   assert series["b"] == pytest.approx({("S", 16): 50.0})
+
+
+def test_gpu_roofline_plot_holds_every_op_of_a_point_to_one_roofline(monkeypatch, tmp_path):
+  # One figure row of several files: the gpu_moe_bench-format files set each point's roofline
+  # (WNA16's int4 bytes), peers timed beside WNA16 keep the first WNA16 figure, and a
+  # gpu_moe_bench-format file of another op is named by its `op` or by NAME=path.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import plot_gpu_roofline as plot  # pylint: disable=import-outside-toplevel
+  wna16 = tmp_path / "wna16.json"  # roof 50 us at T=1 (2 of 4 TB/s over 100 us)
+  wna16.write_text(json.dumps(dict(device="GPU", copy_tbps=4.0, rows=[
+      dict(shape="S", T=1, us=100.0, tbps=2.0, tflops=0.1, torch_us=500.0)])))
+  mx = tmp_path / "mx.json"  # its own bytes (with scales) would give another roof: not used
+  mx.write_text(json.dumps(dict(device="GPU", copy_tbps=4.0, rows=[
+      dict(shape="S", T=1, us=125.0, tbps=3.0, tflops=0.1)])))
+  named = tmp_path / "named.json"
+  named.write_text(json.dumps(dict(device="GPU", copy_tbps=4.0, op="MxInt4", rows=[
+      dict(shape="S", T=1, us=200.0, tbps=3.0, tflops=0.1)])))
+  w4a8 = tmp_path / "w4a8.json"  # no byte rates: held to WNA16's roof; its WNA16 is not kept
+  w4a8.write_text(json.dumps(dict(device="GPU", rows=[
+      dict(shape="S", T=1, wna16_us=90.0, wna16_tflops=0.1, w4a8_us=250.0, w4a8_tflops=0.1),
+      dict(shape="S", T=16, wna16_us=90.0, wna16_tflops=0.1, w4a8_us=250.0,
+           w4a8_tflops=0.1)])))
+  _, series = plot.load_row_group([str(wna16), f"MxInt4={mx}", str(w4a8)], 700e12)
+  assert series["ours WNA16"] == pytest.approx({("S", 1): 50.0})
+  assert series["ours MxInt4"] == pytest.approx({("S", 1): 40.0})
+  assert series["ours W4A8"] == pytest.approx({("S", 1): 20.0})  # T=16 has no roofline
+  assert series["torch _grouped_mm (bf16)"] == pytest.approx({("S", 1): 10.0})
+  _, series = plot.load_row_group([str(wna16), str(named)], 700e12)
+  assert series["ours MxInt4"] == pytest.approx({("S", 1): 25.0})
+  out = tmp_path / "roof.png"
+  monkeypatch.setattr(plot, "SHAPE_ORDER", ("S",))
+  monkeypatch.setattr(sys, "argv", ["plot", "--json", f"{wna16},{w4a8}", "--out", str(out)])
+  pytest.importorskip("matplotlib")
+  plot.main()
+  assert out.stat().st_size > 0
+
+
+def test_gpu_moe_bench_alternative_launch(monkeypatch):
+  # --alt-kw: JSON op keywords, "none" (no alternative timed), or the script's own default.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import gpu_moe_bench as gb  # pylint: disable=import-outside-toplevel
+  parse = gb.argument_parser().parse_args
+  default = (dict(mainloop="bulk_copy"), "mainloop='bulk_copy'")
+  assert gb.alternative(parse([]), *default) == default
+  assert gb.alternative(parse(["--alt-kw", "none"]), *default) == (None, None)
+  kw = '{"mainloop": "wgmma_ws"}'
+  assert gb.alternative(parse(["--alt-kw", kw]), *default) == (dict(mainloop="wgmma_ws"), kw)
+
+
+def test_sass_source_summary_sums_an_ncu_source_export(monkeypatch, tmp_path, capsys):
+  # benchmarks/sass_source_summary.py over an export in ncu's CSV form (lines before the header,
+  # thousands separators, predicated instructions).
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import sass_source_summary as summary  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "source.csv"
+  path.write_text(
+      '"Kernel Name","k"\n'
+      '"Address","Source","Warp Stall Sampling (All Samples)","Thread Instructions Executed",'
+      '"Instructions Executed","stall_wait"\n'
+      '"0x10","@P0 LDGSTS.E.BYPASS.128 [R1], [R2.64]","10","3,200","100","5"\n'
+      '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24","1,200","32,000","1,000","700"\n'
+      '"0x30","  HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], R88","30","32,000","1,000","7"\n')
+  header, rows = summary.read_rows(str(path))
+  assert header[:2] == ["Address", "Source"] and len(rows) == 3
+  assert summary.column(header, "Instructions Executed") == "Thread Instructions Executed"
+  assert [summary.opcode(r["Source"]) for r in rows] == ["LDGSTS", "HGMMA", "HGMMA"]
+  monkeypatch.setattr(sys, "argv", ["summary", str(path), "--top", "1"])
+  summary.main()
+  out = capsys.readouterr().out
+  assert "executed='Instructions Executed'" in out and "2100 warp-instructions" in out
+  hgmma = next(line for line in out.splitlines() if line.startswith("HGMMA"))
+  assert hgmma.split()[1:3] == ["2000", "95.2"]
+  assert out.splitlines()[-1].split()[:3] == ["0x20", "1000", "1200"]
 
 
 def test_tokamax_bench_stubs_a_missing_xprof_tool(monkeypatch):
