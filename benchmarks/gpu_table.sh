@@ -6,7 +6,11 @@
 #   PARTS="wna16 w4a8 mxint4" OUT=... bash benchmarks/gpu_table.sh
 #   PARTS=tokamax TOKAMAX_SHAPES=Qwen3-30B-A3B WHEELS=.carry/tkw OUT=... bash benchmarks/gpu_table.sh
 # Expects the CUDA library built (gpu_suite.sh STAGES=build) or installed; tokamax and its
-# dependencies come from $WHEELS when the machine has none (benchmarks/_host_wheels.sh).
+# dependencies come from $WHEELS when the machine has none (benchmarks/_host_wheels.sh). The
+# wheels of the 2026-11-27 run (`pip download --no-deps --python-version 3.12 --only-binary=:all:
+# --platform manylinux2014_x86_64 --platform any ...`): tokamax 0.0.17, qwix 0.1.8, einshape 1.0,
+# immutabledict 4.3.1, tensorboardx 2.6.5, pydantic 2.14.4, pydantic-core 2.50.5,
+# typing-extensions 4.16.0, typing-inspection 0.4.5, annotated-types 0.8.0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_table}
