@@ -265,13 +265,14 @@ def argument_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def alternative(args, kw: dict, name: str) -> tuple[dict | None, str | None]:
-  """The launch timed beside the default: --alt-kw's JSON, none for 'none', else (kw, name)."""
+def alternative(args, kw: dict) -> tuple[dict | None, str | None]:
+  """The launch timed beside the default and its name: --alt-kw's JSON, none for 'none', else
+  the script's own `kw` (named k=v, ...)."""
   if args.alt_kw == "none":
     return None, None
   if args.alt_kw:
     return json.loads(args.alt_kw), args.alt_kw
-  return kw, name
+  return kw, ", ".join(f"{k}={v!r}" for k, v in kw.items())
 
 
 def start(args) -> tuple[bool, float, tuple[int, ...]]:
@@ -301,8 +302,7 @@ def main():
   have_torch, hbm, tokens = start(args)
   dev = jax.devices()[0]
   alt_kw, alt_name = alternative(
-      args, dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop=args.alt_mainloop),
-      f"block_m={args.alt_block_m}" if args.alt_block_m else f"mainloop={args.alt_mainloop!r}")
+      args, dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop=args.alt_mainloop))
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]

@@ -70,8 +70,7 @@ def main():
   if args.no_peers:
     have_torch = False
   alt_kw, alt_name = peers.alternative(
-      args, dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring"),
-      f"block_m={args.alt_block_m}" if args.alt_block_m else "mainloop='async_ring'")
+      args, dict(block_m=args.alt_block_m) if args.alt_block_m else dict(mainloop="async_ring"))
   rows = []
   for name in args.shapes.split(","):
     e, k, h, i = SHAPES[name]

@@ -190,11 +190,12 @@ def test_gpu_moe_bench_alternative_launch(monkeypatch):
   monkeypatch.syspath_prepend(str(BENCH.parent))
   import gpu_moe_bench as gb  # pylint: disable=import-outside-toplevel
   parse = gb.argument_parser().parse_args
-  default = (dict(mainloop="bulk_copy"), "mainloop='bulk_copy'")
-  assert gb.alternative(parse([]), *default) == default
-  assert gb.alternative(parse(["--alt-kw", "none"]), *default) == (None, None)
+  default = dict(mainloop="bulk_copy")
+  assert gb.alternative(parse([]), default) == (default, "mainloop='bulk_copy'")
+  assert gb.alternative(parse([]), dict(block_m=32)) == (dict(block_m=32), "block_m=32")
+  assert gb.alternative(parse(["--alt-kw", "none"]), default) == (None, None)
   kw = '{"mainloop": "wgmma_ws"}'
-  assert gb.alternative(parse(["--alt-kw", kw]), *default) == (dict(mainloop="wgmma_ws"), kw)
+  assert gb.alternative(parse(["--alt-kw", kw]), default) == (dict(mainloop="wgmma_ws"), kw)
 
 
 def test_sass_source_summary_sums_an_ncu_source_export(monkeypatch, tmp_path, capsys):
