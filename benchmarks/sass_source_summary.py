@@ -54,13 +54,13 @@ def main():
   ap.add_argument("--top", type=int, default=60)
   args = ap.parse_args()
   header, rows = read_rows(args.csv)
-  executed = column(header, "Instructions Executed")
-  if executed and column(header, "Thread Instructions Executed") == executed:
-    executed = next((h for h in header if h.lower().startswith("instructions executed")), executed)
+  # Warp-level "Instructions Executed", not "Thread Instructions Executed".
+  executed = next((h for h in header if h.lower().startswith("instructions executed")), None)
   samples = column(header, "Warp Stall Sampling", "All") or column(header, "Sampling")
   address = column(header, "Address")
+  # Each reason's all-samples column; its "(Not Issued)" twin is a subset of it.
   stall_columns = [h for h in header if re.search(r"stall_|Stall Reason|smsp__pcsamp", h)
-                   and h not in (samples,)]
+                   and h != samples and "not issued" not in h.lower()]
   print(f"columns: executed={executed!r} samples={samples!r} address={address!r}; "
         f"{len(stall_columns)} stall columns")
   total_exec = sum(_number(r.get(executed, "0")) for r in rows) if executed else 0.0

@@ -207,10 +207,12 @@ def test_sass_source_summary_sums_an_ncu_source_export(monkeypatch, tmp_path, ca
   path.write_text(
       '"Kernel Name","k"\n'
       '"Address","Source","Warp Stall Sampling (All Samples)","Thread Instructions Executed",'
-      '"Instructions Executed","stall_wait"\n'
-      '"0x10","@P0 LDGSTS.E.BYPASS.128 [R1], [R2.64]","10","3,200","100","5"\n'
-      '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24","1,200","32,000","1,000","700"\n'
-      '"0x30","  HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], R88","30","32,000","1,000","7"\n')
+      '"Instructions Executed","stall_wait","stall_wait (Not Issued)","stall_math"\n'
+      '"0x10","@P0 LDGSTS.E.BYPASS.128 [R1], [R2.64]","10","3,200","100","5","4","1"\n'
+      '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24","1,200","32,000","1,000","700",'
+      '"600","20"\n'
+      '"0x30","  HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], R88","30","32,000","1,000","7","7",'
+      '"0"\n')
   header, rows = summary.read_rows(str(path))
   assert header[:2] == ["Address", "Source"] and len(rows) == 3
   assert summary.column(header, "Instructions Executed") == "Thread Instructions Executed"
@@ -221,7 +223,8 @@ def test_sass_source_summary_sums_an_ncu_source_export(monkeypatch, tmp_path, ca
   assert "executed='Instructions Executed'" in out and "2100 warp-instructions" in out
   hgmma = next(line for line in out.splitlines() if line.startswith("HGMMA"))
   assert hgmma.split()[1:3] == ["2000", "95.2"]
-  assert out.splitlines()[-1].split()[:3] == ["0x20", "1000", "1200"]
+  assert out.splitlines()[-1].split()[:5] == ["0x20", "1000", "1200", "stall_wait=700,",
+                                              "stall_math=20"]
 
 
 def test_tokamax_bench_stubs_a_missing_xprof_tool(monkeypatch):
