@@ -35,6 +35,7 @@ for spec in "$@"; do
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$OUT/source_$label.csv" \
       2>>"$OUT/source_$label.log"
     echo "== $label source counters (rc=$?, $(wc -l <"$OUT/source_$label.csv") lines)"
+    rm -rf "$(dirname "$rep")"  # the report itself: the CSV holds what is used
     "$PY" benchmarks/sass_source_summary.py "$OUT/source_$label.csv" | tee "$OUT/source_$label.txt"
   fi
 done
