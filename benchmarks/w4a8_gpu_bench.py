@@ -4,7 +4,9 @@ int4 group 128), measured in the same run on the same weights' sizes.
 Per (shape, T): median time per layer of 8 layers (each with its own random weights and routing)
 in one jitted executable, for the W4A8 op (`ops.w4a8_gpu.w4a8_gpu_moe`) and the WNA16 op
 (`ops.wna16_gpu.fused_marlin_moe`, its default launch choices), and TFLOP/s (2·T·K·3·H·I; int8
-operations for W4A8). Run: python3 benchmarks/w4a8_gpu_bench.py [--shapes A,B] [--tokens 1,16]
+operations for W4A8). `--block-ms 128,64,32` adds the W4A8 op at each forced token tile
+(`w4a8_bm128`, ...) beside its automatic choice, in the same run. Run:
+python3 benchmarks/w4a8_gpu_bench.py [--shapes A,B] [--tokens 1,16] [--block-ms 128,64,32]
 [--json PATH]
 """
 
@@ -43,7 +45,11 @@ def random_w4a8_weights(key, e, h, i, group=gb.GROUP):
 
 
 def main():
-  args = gb.peer_argument_parser().parse_args()
+  ap = gb.peer_argument_parser()
+  ap.add_argument("--block-ms", default="",
+                  help="also time W4A8 at these forced block_m values (comma-separated)")
+  args = ap.parse_args()
+  block_ms = [int(v) for v in args.block_ms.split(",") if v]
   info = _timing.machine_info()
   machine = _timing.machine_line(info)
   print(f"device: {machine}", flush=True)
@@ -52,13 +58,19 @@ def main():
       [("wna16", gb.random_weights,
         lambda x, wts, ids, w: wna16_gpu.fused_marlin_moe(x, wts, w, ids)),
        ("w4a8", random_w4a8_weights,
-        lambda x, wts, ids, w: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids))])
+        lambda x, wts, ids, w: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids))] +
+      [(f"w4a8_bm{bm}", random_w4a8_weights,
+        lambda x, wts, ids, w, bm=bm: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids, block_m=bm))
+       for bm in block_ms])
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=info["device"], machine=info, rows=rows), f, indent=1)
   print(f"\n{machine}, bf16 activations, int4 group {gb.GROUP}; per layer, 8 layers "
         "(own weights and routing) in one jit; W4A8's TFLOP/s count int8 operations")
   gb.print_peer_table(rows, ("wna16", "w4a8"))
+  for bm in block_ms:
+    print(f"\nW4A8 at block_m {bm} beside the automatic choice")
+    gb.print_peer_table(rows, (f"w4a8_bm{bm}", "w4a8"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ split-K with the GEMM1 finalize, the wgmma prefill GEMM (block_m 128, T >= 256),
 expert-parallel drop), and the batched format (mma.sync and wgmma). MxInt4 (`mxint4_moe`): every
 routing method at several tokens, DeepSeekV3 routing with groups and the correction bias at one
 token (both one-token forms) and many, expert parallelism (a rank's local experts), split-K, and
-the wgmma prefill.
+the wgmma prefill. W4A8 (`w4a8_gpu_moe`): every token tile (block_m 32, 64, 128) with group
+scales and channel-wise ones, biases, the router weight on the input and ids outside [0, E).
 
 Inputs are made with numpy and the weights packed on the CPU backend, references computed there
 too, so the GPU runs (almost) only our kernels. Every call writes into a NaN-poisoned output
@@ -44,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jax_moeq import reference  # noqa: E402
-from jax_moeq.ops import _gpu_launch, mxint4_gpu, wna16_gpu  # noqa: E402
+from jax_moeq.ops import _gpu_launch, mxint4_gpu, w4a8_gpu, wna16_gpu  # noqa: E402
 from jax_moeq.quant import int4  # noqa: E402
 from jax_moeq.routing import RoutingMethodType as RM  # noqa: E402
 
@@ -295,6 +296,70 @@ def run_mxint4(c: MxInt4Case, check: bool) -> str:
   return f"{what} err={err:.1e}"
 
 
+# ------------------------------------------------------------------ W4A8
+@dataclasses.dataclass(frozen=True)
+class W4a8Case:
+  t: int = 5
+  e: int = 8
+  k: int = 2
+  h: int = 256
+  i: int = 256
+  group: int = 128
+  dtype: str = "bfloat16"
+  bias: bool = False
+  on_input: bool = False
+  activation: int = 0
+  block_m: int | None = None
+  foreign_ids: bool = False
+
+
+def run_w4a8(c: W4a8Case, check: bool) -> str:
+  rng = np.random.default_rng(_seed(c))
+  dtype = jnp.dtype(c.dtype)
+  g13 = c.h if c.group == -1 else c.group
+  g2 = c.i if c.group == -1 else c.group
+  sdt = np.float32 if c.group == -1 else jnp.bfloat16
+  q13 = rng.integers(-8, 8, (c.e, 2 * c.i, c.h)).astype(np.int8)
+  q2 = rng.integers(-8, 8, (c.e, c.h, c.i)).astype(np.int8)
+  s13 = (rng.uniform(0.5, 1.5, (c.e, 2 * c.i, c.h // g13)) / (4.0 * np.sqrt(c.h))).astype(sdt)
+  s2 = (rng.uniform(0.5, 1.5, (c.e, c.h, c.i // g2)) / (4.0 * np.sqrt(c.i))).astype(sdt)
+  b13 = (rng.normal(size=(c.e, 2 * c.i)) * 0.1).astype(np.float32) if c.bias else None
+  b2 = (rng.normal(size=(c.e, c.h)) * 0.1).astype(np.float32) if c.bias else None
+  weights = jax.device_put(_on_cpu(w4a8_gpu.convert_to_w4a8_gpu_format, q13, q2, s13, s2,
+                                   c.group, b13, b2), _gpu())
+  x = rng.normal(size=(c.t, c.h)).astype(np.float32).astype(dtype)
+  logits = rng.normal(size=(c.t, c.e)).astype(np.float32)
+  ids = np.argsort(-logits, axis=-1)[:, :c.k].astype(np.int32)
+  w = np.take_along_axis(np.exp(logits), ids, -1)
+  w = (w / w.sum(-1, keepdims=True)).astype(np.float32)
+  if c.foreign_ids:
+    ids[::2, -1] = c.e + 3
+    ids[1, 0] = -1
+  block_m = _gpu_launch.choose_w4a8_block_m(c.t * c.k / c.e, c.block_m)
+  gpu = _gpu()
+  run = jax.jit(lambda x, w, i, o: w4a8_gpu.w4a8_gpu_moe(
+      x, weights, w, i, activation_kind=c.activation, apply_router_weight_on_input=c.on_input,
+      block_m=c.block_m, out_init=o))
+  out = run(jax.device_put(x, gpu), jax.device_put(w, gpu), jax.device_put(ids, gpu),
+            jax.device_put(np.full(x.shape, np.nan, dtype), gpu))
+  out = np.asarray(jax.device_get(out).astype(np.float32))
+  what = f"T={c.t} block_m={block_m} group={c.group}"
+  if not np.isfinite(out).all():
+    raise AssertionError(f"{np.size(out) - np.isfinite(out).sum()} output elements unwritten "
+                         "(NaN poison left) or not finite")
+  if not check:
+    return what
+  # Under jit (ids are data: ids outside [0, E) contribute nothing), the weights as arguments.
+  ref = jax.jit(lambda x, ids, w, q13, s13, q2, s2, b13, b2: reference.fused_moe_w4a8(
+      x, ids, w, q13, s13, q2, s2, c.group, w13_bias=b13, w2_bias=b2,
+      apply_router_weight_on_input=c.on_input, activation_kind=c.activation))
+  want = np.asarray(_on_cpu(ref, x, ids, w, q13, s13, q2, s2, b13, b2)).astype(np.float32)
+  err = _rel(out, want)
+  if err > TOL:
+    raise AssertionError(f"rel. Frobenius error {err:.3e} > {TOL}")
+  return f"{what} err={err:.1e}"
+
+
 # ------------------------------------------------------------------ the variants
 VARIANTS = {
     # WNA16, one token: no alignment, GEMM2 finalizes (block_m 8).
@@ -369,6 +434,13 @@ VARIANTS = {
     "mxint4_wgmma_ep": MxInt4Case(t=256, e=8, k=4, local=4, ep_rank=1, block_m=128,
                                   method=int(RM.DeepSeekV3)),
     "mxint4_wgmma_ws": MxInt4Case(t=256, e=8, k=2, block_m=32, mainloop="wgmma_ws"),
+    # W4A8: each token tile, group and channel-wise scales; a tile past N in GEMM2 (H = 384).
+    "w4a8_bm32": W4a8Case(t=5, group=32, bias=True),
+    "w4a8_bm32_on_input_foreign_ids": W4a8Case(t=9, k=3, block_m=32, on_input=True,
+                                               foreign_ids=True, dtype="float16"),
+    "w4a8_bm64_channel": W4a8Case(t=70, e=4, h=384, block_m=64, group=-1, activation=1),
+    "w4a8_bm64_f32": W4a8Case(t=40, e=4, block_m=64, group=64, dtype="float32", bias=True),
+    "w4a8_bm128": W4a8Case(t=300, e=4, block_m=128, group=128, bias=True),
 }
 
 
@@ -399,7 +471,7 @@ def main(argv=None) -> int:
     case = VARIANTS[name]
     t0 = time.time()
     try:
-      run = run_wna16 if isinstance(case, Wna16Case) else run_mxint4
+      run = {Wna16Case: run_wna16, MxInt4Case: run_mxint4, W4a8Case: run_w4a8}[type(case)]
       detail = run(case, not args.no_check)
       print(f"ok    {name:36s} {time.time() - t0:6.1f} s  {detail}", flush=True)
     except Exception as e:  # report every variant, then fail

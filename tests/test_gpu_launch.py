@@ -391,3 +391,13 @@ def test_deterministic_mode_reaches_the_wna16_call(monkeypatch):
   assert splits()[1] > 1
   monkeypatch.setenv(launch.DETERMINISTIC_ENV, "1")
   assert splits() == (1, 1)
+
+
+def test_w4a8_token_tile_holds_the_expected_pairs():
+  assert launch.choose_w4a8_block_m(0.1) == 32
+  assert launch.choose_w4a8_block_m(launch.W4A8_TILE32_MAX_PAIRS) == 32
+  assert launch.choose_w4a8_block_m(launch.W4A8_TILE32_MAX_PAIRS + 1) == 64
+  assert launch.choose_w4a8_block_m(4096.0) == 64  # the 128-token tile only when asked for
+  assert launch.choose_w4a8_block_m(3.0, 128) == 128  # an explicit choice stands
+  with pytest.raises(ValueError, match="block_m must be one of"):
+    launch.choose_w4a8_block_m(3.0, 8)

@@ -153,6 +153,8 @@ def test_op_validates_its_inputs_before_any_launch():
     w4a8_gpu.w4a8_gpu_moe(x, kw, wts[:, :1], ids)
   with pytest.raises(ValueError, match="activation_kind"):
     w4a8_gpu.w4a8_gpu_moe(x, kw, wts, ids, activation_kind=3)
+  with pytest.raises(ValueError, match="block_m must be one of"):
+    w4a8_gpu.w4a8_gpu_moe(x, kw, wts, ids, block_m=16)
 
 
 # ------------------------------------------------------------------ oracle (any machine)
@@ -239,7 +241,8 @@ def _routing(key, t, e, k):
 
 
 def _run_case(seed, *, t, e=8, k=2, h=256, i=256, group_size=128, dtype=jnp.bfloat16,
-              activation_kind=0, bias=False, on_input=False, poison=True, ids=None):
+              activation_kind=0, bias=False, on_input=False, poison=True, ids=None,
+              block_m=None):
   key = jax.random.PRNGKey(seed)
   kw, kx, kr = jax.random.split(key, 3)
   w = _experts(kw, e, h, i, group_size, bias)
@@ -250,7 +253,8 @@ def _run_case(seed, *, t, e=8, k=2, h=256, i=256, group_size=128, dtype=jnp.bflo
                                                 group_size, w.w13_bias, w.w2_bias)
   out_init = jnp.full((t, h), jnp.nan, dtype) if poison else None
   y = w4a8_gpu.w4a8_gpu_moe(x, packed, wts, ids, activation_kind=activation_kind,
-                            apply_router_weight_on_input=on_input, out_init=out_init)
+                            apply_router_weight_on_input=on_input, block_m=block_m,
+                            out_init=out_init)
   y = np.asarray(y.astype(jnp.float32))
   ref = _reference(x, ids, wts, w, activation_kind, on_input)
   assert np.isfinite(y).all(), "unwritten (poisoned) or non-finite outputs"
@@ -279,6 +283,20 @@ def test_vs_reference_activation_bias_weight_on_input(activation_kind, bias, on_
 @pytest.mark.parametrize("t", [1, 2, 7, 128, 129, 1000, 3000])
 def test_vs_reference_token_counts(t):
   _run_case(t, t=t, e=16, k=4, h=256, i=384, dtype=jnp.bfloat16, group_size=128)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+@pytest.mark.parametrize("t", [5, 200])
+def test_every_token_tile_gives_the_same_bits(t, group_size, dtype):
+  # The token tile changes which CTA computes a pair, never the arithmetic of an output: each
+  # result is bit-identical across block_m, and each is within the reference's tolerance.
+  # T = 5 leaves most of a block padding; T = 200 x 4 / 8 = 100 pairs per expert spans blocks.
+  outs = [_run_case(40 + t + group_size, t=t, e=8, k=4, h=384, i=256, dtype=dtype,
+                    group_size=group_size, bias=True, block_m=bm)[0] for bm in (32, 64, 128)]
+  np.testing.assert_array_equal(outs[0], outs[1])
+  np.testing.assert_array_equal(outs[0], outs[2])
 
 
 @needs_gpu

@@ -39,8 +39,9 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
                        ffi::Result<ffi::AnyBuffer> act_params, ffi::Result<ffi::AnyBuffer> ws2,
                        int64_t hidden_size, int64_t intermediate_size, int64_t groups13,
                        int64_t groups2, int64_t activation_kind, bool has_bias,
-                       bool apply_router_weight_on_input) {
-  JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.IntAttr("activation_kind", activation_kind));
+                       bool apply_router_weight_on_input, int64_t block_m) {
+  JAX_MOEQ_RETURN_IF_ERROR(
+      kMoeChecks.IntAttrs({{"activation_kind", activation_kind}, {"block_m", block_m}}));
   cuda::W4a8MoeProblem p;
   if (!DtypeOf(x.element_type(), &p.dtype)) {
     return kMoeChecks.Invalid("x must be float32, bfloat16 or float16");
@@ -60,6 +61,7 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.activation = static_cast<int>(activation_kind);
   p.has_bias = has_bias;
   p.weight_on_input = apply_router_weight_on_input;
+  p.block_m = block_m;
   JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.InvalidUnlessEmpty(cuda::ValidateW4a8MoeProblem(p)));
   const int64_t E = p.experts;
   JAX_MOEQ_RETURN_IF_ERROR(
@@ -172,7 +174,8 @@ auto BindResultsAndAttrs(Binding binding) {
       .template Attr<int64_t>("groups2")
       .template Attr<int64_t>("activation_kind")
       .template Attr<bool>("has_bias")
-      .template Attr<bool>("apply_router_weight_on_input");
+      .template Attr<bool>("apply_router_weight_on_input")
+      .template Attr<int64_t>("block_m");
 }
 
 }  // namespace

@@ -5,13 +5,15 @@
 //   (rounded top-k weighting and sum in slot order, as reference.fused_moe_w4a8).
 // No XLA types.
 //
-// GEMM design (W4a8WgmmaKernel). A CTA of four warpgroups computes 128 weight rows x 128 tokens
-// (one expert block of the alignment, block_m 128): warpgroup w owns 64 rows (row tile w & 1:
-// GEMM1 0 = the gate rows 64 nt.., 1 = the matching up rows I + 64 nt..; GEMM2 rows
-// 128 nt + 64 (w & 1)..) x 64 tokens (half w >> 1), wgmma m64n64k32. The weights are wgmma's A
-// operand from registers, the int8 tokens the B operand from shared memory (128 tokens x 128
-// inputs per stage, K-major, 128-byte swizzle), as in the WNA16 wgmma GEMM (moe_int4_wgmma.cuh),
-// whose token-tile addressing this reuses byte for byte.
+// GEMM design (W4a8WgmmaKernel). A CTA computes 128 weight rows x one expert block of the
+// alignment (block_m = kBM tokens: 128, 64 or 32, chosen per call by jax_moeq/ops/_gpu_launch.py).
+// At 128, four warpgroups: warpgroup w owns 64 rows (row tile w & 1: GEMM1 0 = the gate rows
+// 64 nt.., 1 = the matching up rows I + 64 nt..; GEMM2 rows 128 nt + 64 (w & 1)..) x 64 tokens
+// (half w >> 1), wgmma m64n64k32. At 64 and 32, two warpgroups (the two row tiles) x all kBM
+// tokens, two CTAs per SM (W8Tile), so that a decode-sized expert block is not padded to 128.
+// The weights are wgmma's A operand from registers, the int8 tokens the B operand from shared
+// memory (kBM tokens x 128 inputs per stage, K-major, 128-byte swizzle), as in the WNA16 wgmma GEMM
+// (moe_int4_wgmma.cuh), whose token-tile addressing this reuses byte for byte.
 //  - Int4 -> int8 in registers, not in shared memory: the packed fragment of a lane is its A
 //    registers' bytes with row g in the low and row g + 8 in the high nibble, so
 //    (word << 4) & 0xF0F0F0F0 and word & 0xF0F0F0F0 are the two registers, as int8 values 16 q
@@ -23,15 +25,15 @@
 //    overwrites, scale-d = 0); at the group's end the warpgroup waits for its MMAs and adds
 //    sw * float(sum) into f32 accumulators, in group order (float32 across groups, SPEC §3).
 //    Channel-wise scales need no promotion: one s32 sum over K, converted once.
-//    The register budget (an s32 and an f32 accumulator per output) is why a warpgroup owns a
-//    64 x 64 tile here (32 + 32 accumulators per thread, 128 registers at 512 threads).
+//    The register budget (an s32 and an f32 accumulator per output) is why a warpgroup owns at
+//    most a 64 x 64 tile here (32 + 32 accumulators per thread, 128 registers at 512 threads).
 //  - Epilogue: y = scale_t * (acc - zp_t * row_corr[n]) + bias[n] (row_corr precomputed at pack
 //    time, as the CPU layout). The tile is staged in the drained stages as floats (GEMM1: gate and
 //    up rounded to x's dtype); then every thread finishes 8 consecutive features of a token (GEMM1:
 //    the activation) and stores them as one 16-byte piece of the token's act / ws row.
-//  - Pipeline: cp.async multi-stage ring (kW8Stages stages, kW8Ahead chunks ahead), all 512
-//    threads issue their token pieces (half of them the weight fragments and scales), one barrier
-//    per chunk; up to kW8InFlight wgmma groups stay in flight between group ends. A
+//  - Pipeline: cp.async multi-stage ring (W8Tile::kStages stages, kAhead chunks ahead), every
+//    thread issues its token pieces (the first two warpgroups the weight fragments and scales),
+//    one barrier per chunk; up to kW8InFlight wgmma groups stay in flight between group ends. A
 //    warp-specialised TMA pipeline was not attempted: this form shares the proven WNA16 wgmma
 //    structure and its ordering rules.
 #include <algorithm>
@@ -45,20 +47,35 @@
 namespace jax_moeq::cuda {
 namespace {
 
-constexpr int kW8BlockM = 128;   // tokens per expert block (wgmma N)
-constexpr int kW8Threads = 512;  // four warpgroups
 constexpr int kW8Chunk = 128;    // inputs per pipeline stage (4 k-steps of 32)
-constexpr int kW8Stages = 6;
-constexpr int kW8Ahead = kW8Stages - 2;  // the stage refilled was read two chunks ago
 constexpr int kW8InFlight = 3;
-constexpr int kW8StageTokens = kW8BlockM * kW8Chunk;        // 16 KB of int8
 constexpr int kW8StageWeights = 8 * 1024;  // 8 warps' subtiles: 16 rows x 128 inputs / 2 each
 constexpr int kW8StageScales = 256 * 4 * 8;  // up to 4 groups x float2 per lane of those warps
-constexpr int kW8StageBytes = kW8StageTokens + kW8StageWeights + kW8StageScales;  // 32 KB
-constexpr int kW8SmemBytes = kW8Stages * kW8StageBytes + 1024;
-static_assert(kW8StageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
-constexpr int kW8TileStride = kW8BlockM + 4;  // floats per row of the epilogue's staged tile
-static_assert(128 * kW8TileStride * 4 <= kW8Stages * kW8StageBytes, "the tile fits the stages");
+
+// The GEMM's shape per token tile kBM (tokens per expert block: 128, 64 or 32). At 128 four
+// warpgroups share the weight rows (two token halves of 64), one CTA per SM; at 64 and 32 two
+// warpgroups (the two row tiles) each take the whole token tile, two CTAs per SM, so that a
+// decode-sized expert block is not padded to 128 tokens.
+template <int kBM>
+struct W8Tile {
+  static_assert(kBM == 128 || kBM == 64 || kBM == 32, "token tiles of 128, 64 or 32");
+  static constexpr int kThreads = kBM == 128 ? 512 : 256;
+  static constexpr int kCtasPerSm = kBM == 128 ? 1 : 2;
+  static constexpr int kWgTokens = kBM == 128 ? 64 : kBM;  // wgmma N
+  static constexpr int kAcc = kWgTokens / 2;              // s32 (and f32) accumulators a thread
+  // Two CTAs per SM share its 227 KB: 4 stages of 24 KB at 64 tokens, 5 of 20 KB at 32.
+  static constexpr int kStages = kBM == 128 ? 6 : (kBM == 64 ? 4 : 5);
+  static constexpr int kAhead = kStages - 2;  // the stage refilled was read two chunks ago
+  static constexpr int kStageTokens = kBM * kW8Chunk;
+  static constexpr int kStageBytes = kStageTokens + kW8StageWeights + kW8StageScales;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;
+  static constexpr int kTileStride = kBM + 4;  // floats per row of the epilogue's staged tile
+  static constexpr int kRowsPerPass = kThreads / 8;  // token rows one pass of 16-byte pieces covers
+  static constexpr int kPieces = kBM / kRowsPerPass;
+  static_assert(kStageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
+  static_assert(128 * kTileStride * 4 <= kStages * kStageBytes, "the tile fits the stages");
+  static_assert(kCtasPerSm * (kSmemBytes + kBM * 12) <= 227 * 1024, "the CTAs fit an SM");
+};
 // Largest K: |sum of 16 q qa| <= K * 2^14 must stay below 2^31.
 constexpr int64_t kW8MaxFeatures = 65536;
 
@@ -369,26 +386,30 @@ struct W4a8GemmArgs {
   void* ws = nullptr;              // GEMM2: [rows][n] in T, rounded (the reference rounds y2)
 };
 
-// kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales.
-template <typename T, int kGroupSteps, bool kGemm1>
-__global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p) {
+// kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales. kBM: tokens
+// per expert block (W8Tile).
+template <typename T, int kGroupSteps, bool kGemm1, int kBM>
+__global__ void __launch_bounds__(W8Tile<kBM>::kThreads, W8Tile<kBM>::kCtasPerSm)
+    W4a8WgmmaKernel(W4a8GemmArgs p) {
+  using Tile = W8Tile<kBM>;
   WaitForPriorGrids();
   AllowDependentGrids();
   const int blk = p.blk_on_x ? blockIdx.x : blockIdx.y;
   const int n_tile = p.blk_on_x ? blockIdx.y : blockIdx.x;
   // Whole-CTA exits only (every thread takes part in the barriers below).
-  if (blk * kW8BlockM >= __ldg(p.num_post_padded)) return;
-  if (__ldg(p.sorted_ids + blk * kW8BlockM) >= p.num_rows) return;  // empty block
+  if (blk * kBM >= __ldg(p.num_post_padded)) return;
+  if (__ldg(p.sorted_ids + blk * kBM) >= p.num_rows) return;  // empty block
   const int expert = __ldg(p.expert_ids + blk);
   if (expert < 0) return;
 
   extern __shared__ __align__(1024) uint8_t w8_smem_raw[];
-  __shared__ int tok_id[kW8BlockM];
-  __shared__ float2 tok_param[kW8BlockM];
+  __shared__ int tok_id[kBM];
+  __shared__ float2 tok_param[kBM];
   const uint32_t smem = (SharedAddress(w8_smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  // Warpgroup wg: row tile rt = wg & 1 (GEMM1: gate / up), token half = wg >> 1.
+  // Warpgroup wg: row tile rt = wg & 1 (GEMM1: gate / up), token half = wg >> 1 (always 0 below
+  // 128 tokens).
   const int wg = warp >> 2, rt = wg & 1, half = wg >> 1;
   const int n_sub = p.n / 16;
   int sub;
@@ -401,15 +422,15 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
     tile_ok = 8 * n_tile + 4 * rt < n_sub;
     sub = tile_ok ? 8 * n_tile + 4 * rt + (warp & 3) : (warp & 3);
   }
-  if (tid < kW8BlockM) {
-    const int id = __ldg(p.sorted_ids + blk * kW8BlockM + tid);
+  if (tid < kBM) {
+    const int id = __ldg(p.sorted_ids + blk * kBM + tid);
     tok_id[tid] = id;
     tok_param[tid] = id < p.num_rows ? p.xparams[id / p.in_div] : make_float2(0.0f, 0.0f);
   }
   const int chunks = p.k / kW8Chunk;
 
-  // Token pieces: rows (tid / 8) + 64 i, 16-byte piece tid % 8 (16 inputs), swizzled.
-  constexpr int kPieces = kW8BlockM * 8 / kW8Threads;
+  // Token pieces: rows (tid / 8) + kRowsPerPass i, 16-byte piece tid % 8 (16 inputs), swizzled.
+  constexpr int kPieces = Tile::kPieces;
   const int piece = tid & 7;
   const int row_in_atom = (tid >> 3) & 7;
   const uint32_t tile_off = (tid >> 6) * 1024 + row_in_atom * 128 + ((piece ^ row_in_atom) << 4);
@@ -417,7 +438,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   uint32_t xbytes[kPieces];
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
-    const int id = __ldg(p.sorted_ids + blk * kW8BlockM + (tid >> 3) + 64 * i);
+    const int id = __ldg(p.sorted_ids + blk * kBM + (tid >> 3) + Tile::kRowsPerPass * i);
     const bool ok = id < p.num_rows;
     xbytes[i] = ok ? 16 : 0;
     xcur[i] = p.xq + (ok ? static_cast<int64_t>(id / p.in_div) * p.k : 0) + 16 * piece;
@@ -428,14 +449,14 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   // Both token halves of a row tile read the same weight fragments and scales: the warps of
   // half 0 copy them, into slots indexed by (row tile, warp in the warpgroup, lane).
   const int slot = (rt * 4 + (warp & 3)) * 32 + lane;
-  const uint32_t weight_off = kW8StageTokens + slot * 32;
-  const uint32_t scale_off = kW8StageTokens + kW8StageWeights + slot * 32;
+  const uint32_t weight_off = Tile::kStageTokens + slot * 32;
+  const uint32_t scale_off = Tile::kStageTokens + kW8StageWeights + slot * 32;
   const bool copies_weights = half == 0;
   constexpr int kGroupsPerChunk = kGroupSteps > 0 ? 4 / kGroupSteps : 0;
   auto issue = [&](int kc, uint32_t st) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      CpAsyncSharedOrZero(st + tile_off + 8192 * i, xcur[i], xbytes[i]);
+      CpAsyncSharedOrZero(st + tile_off + Tile::kRowsPerPass * 128 * i, xcur[i], xbytes[i]);
       xcur[i] += kW8Chunk;
     }
     if (copies_weights) {
@@ -451,39 +472,41 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
 
   uint32_t write_stage = smem;
 #pragma unroll
-  for (int s = 0; s < kW8Ahead; ++s) {
+  for (int s = 0; s < Tile::kAhead; ++s) {
     if (s < chunks) issue(s, write_stage);
     CpAsyncCommit();
-    write_stage += kW8StageBytes;
+    write_stage += Tile::kStageBytes;
   }
-  const uint32_t last_stage = smem + (kW8Stages - 1) * kW8StageBytes;
+  const uint32_t last_stage = smem + (Tile::kStages - 1) * Tile::kStageBytes;
   uint32_t read_stage = smem;
 
-  float accf[32];
-  int32_t acci[32];
+  constexpr int kAcc = Tile::kAcc;
+  float accf[kAcc];
+  int32_t acci[kAcc];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < kAcc; ++i) {
     accf[i] = 0.0f;
     acci[i] = 0;
   }
   uint32_t a[4][4];  // [k-step][register]
 
   for (int c = 0; c < chunks; ++c) {
-    CpAsyncWait<kW8Ahead - 1>();  // this thread's pieces of chunk c have landed
+    CpAsyncWait<Tile::kAhead - 1>();  // this thread's pieces of chunk c have landed
     FenceProxyAsync();            // ... and are visible to the tensor cores
     __syncthreads();  // every thread's pieces landed; chunk c - 2's MMAs are done everywhere
-    if (c + kW8Ahead < chunks) issue(c + kW8Ahead, write_stage);
+    if (c + Tile::kAhead < chunks) issue(c + Tile::kAhead, write_stage);
     CpAsyncCommit();
-    write_stage = write_stage == last_stage ? smem : write_stage + kW8StageBytes;
+    write_stage = write_stage == last_stage ? smem : write_stage + Tile::kStageBytes;
     const uint32_t st = read_stage;
-    read_stage = read_stage == last_stage ? smem : read_stage + kW8StageBytes;
+    read_stage = read_stage == last_stage ? smem : read_stage + Tile::kStageBytes;
     const uint4 w0 = LdShared128(st + weight_off);
     const uint4 w1 = LdShared128(st + weight_off + 16);
     const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     float2 sc[kGroupsPerChunk > 0 ? kGroupsPerChunk : 1];
 #pragma unroll
     for (int q = 0; q < kGroupsPerChunk; ++q) sc[q] = LdShared64f(st + scale_off + 8 * q);
-    const uint64_t desc = SmemDescSwizzle128(st + 8192 * half);  // this warpgroup's 64 tokens
+    // This warpgroup's tokens (rows of 128 bytes).
+    const uint64_t desc = SmemDescSwizzle128(st + Tile::kWgTokens * 128 * half);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       a[s][0] = (words[2 * s] << 4) & 0xF0F0F0F0u;
@@ -492,7 +515,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
       a[s][3] = words[2 * s + 1] & 0xF0F0F0F0u;
       WgmmaFence();
       const bool accumulate = kGroupSteps > 0 ? (s % kGroupSteps) != 0 : (c > 0 || s > 0);
-      WgmmaS8M64N64K32(acci, a[s], desc + 2 * s, accumulate);  // + 32 bytes per k-step
+      WgmmaS8M64NxK32<Tile::kWgTokens>(acci, a[s], desc + 2 * s, accumulate);  // + 32 B a k-step
       WgmmaCommit();
       if constexpr (kGroupSteps > 0) {
         if ((s + 1) % kGroupSteps == 0) {
@@ -500,7 +523,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
           FenceAccumulators(acci);
           const float2 sp = sc[s / kGroupSteps];
 #pragma unroll
-          for (int i = 0; i < 32; ++i) {
+          for (int i = 0; i < kAcc; ++i) {
             accf[i] = fmaf((i & 2) ? sp.y : sp.x, SmallIntToFloat(acci[i]), accf[i]);
           }
           FenceAccumulators(acci);
@@ -517,11 +540,11 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   if constexpr (kGroupSteps == 0) {
     const float2 sp = *reinterpret_cast<const float2*>(sbase);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) accf[i] = ((i & 2) ? sp.y : sp.x) * __int2float_rn(acci[i]);
+    for (int i = 0; i < kAcc; ++i) accf[i] = ((i & 2) ? sp.y : sp.x) * __int2float_rn(acci[i]);
   }
 
   // Epilogue. Accumulator i = 4 j + c: row g + 8 (c >> 1) of the warp's subtile, token column
-  // 64 half + 8 j + 2 t + (c & 1) of the block.
+  // kWgTokens half + 8 j + 2 t + (c & 1) of the block.
   CpAsyncWait<0>();  // the last groups are empty, but no copy may land in the reused stages
   __syncthreads();   // every warp has read its last stage (and tok_* are written)
   const int64_t row_base = static_cast<int64_t>(expert) * p.n;
@@ -534,7 +557,7 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   }
   auto output = [&](int i) {
     const int h = (i >> 1) & 1;
-    const float2 tp = tok_param[64 * half + 8 * (i >> 2) + 2 * t + (i & 1)];
+    const float2 tp = tok_param[Tile::kWgTokens * half + 8 * (i >> 2) + 2 * t + (i & 1)];
     return (accf[i] - tp.y * rc[h]) * tp.x + bias[h];
   };
   // The tile goes through shared memory (the drained stages) as floats, [row][token], so that
@@ -543,31 +566,32 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   float* tile = reinterpret_cast<float*>(w8_smem_raw + (smem - SharedAddress(w8_smem_raw)));
   const int tile_row = 64 * rt + 16 * (warp & 3) + g;  // + 8 h
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int col = 64 * half + 8 * (i >> 2) + 2 * t + (i & 1);
+  for (int i = 0; i < kAcc; ++i) {
+    const int col = Tile::kWgTokens * half + 8 * (i >> 2) + 2 * t + (i & 1);
     const float y = output(i);
     // GEMM1 rounds gate and up to T before the activation, as the reference.
-    tile[(tile_row + 8 * ((i >> 1) & 1)) * kW8TileStride + col] = kGemm1 ? RoundOut<T>(y) : y;
+    tile[(tile_row + 8 * ((i >> 1) & 1)) * Tile::kTileStride + col] =
+        kGemm1 ? RoundOut<T>(y) : y;
   }
   __syncthreads();
   // GEMM1: rows 0..63 are the gate rows of act features 64 nt.., rows 64..127 the matching up
   // rows. GEMM2: rows 0..127 are features 128 nt.. of ws (those past N are not stored).
   constexpr int kOutRows = kGemm1 ? 64 : 128;
-  constexpr int kItems = kOutRows / 8 * kW8BlockM;  // (8-feature piece, token) pairs
+  constexpr int kItems = kOutRows / 8 * kBM;  // (8-feature piece, token) pairs
   const int out_ld = kGemm1 ? p.n / 2 : p.n;
   const int feature0 = kOutRows * n_tile;
 #pragma unroll
-  for (int item = tid; item < kItems; item += kW8Threads) {
-    const int col = item % kW8BlockM;  // a warp takes 32 tokens of one piece: no bank conflicts
-    const int row0 = 8 * (item / kW8BlockM);
+  for (int item = tid; item < kItems; item += Tile::kThreads) {
+    const int col = item % kBM;  // a warp takes 32 tokens of one piece: no bank conflicts
+    const int row0 = 8 * (item / kBM);
     const int id = tok_id[col];
     if (id >= p.num_rows || feature0 + row0 >= out_ld) continue;
     float v[8];
 #pragma unroll
     for (int f = 0; f < 8; ++f) {
-      const float y = tile[(row0 + f) * kW8TileStride + col];
+      const float y = tile[(row0 + f) * Tile::kTileStride + col];
       if constexpr (kGemm1) {
-        const float up = tile[(64 + row0 + f) * kW8TileStride + col];
+        const float up = tile[(64 + row0 + f) * Tile::kTileStride + col];
         v[f] = W4a8Activation<T>(p.activation, y, up);
       } else {
         v[f] = y;
@@ -577,27 +601,40 @@ __global__ void __launch_bounds__(kW8Threads, 1) W4a8WgmmaKernel(W4a8GemmArgs p)
   }
 }
 
-template <typename T, int kGroupSteps, bool kGemm1>
+template <typename T, int kGroupSteps, bool kGemm1, int kBM>
 void LaunchW4a8GemmFor(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
+  using Tile = W8Tile<kBM>;
   // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's. The
   // table is a static of this function template, so each kernel instantiation has its own.
   static SmemOptInTable opted_in;
-  (void)EnsureDynamicSmem(opted_in, W4a8WgmmaKernel<T, kGroupSteps, kGemm1>, kW8SmemBytes);
-  LaunchAfterPrior(W4a8WgmmaKernel<T, kGroupSteps, kGemm1>, grid, dim3(kW8Threads), kW8SmemBytes,
-                   stream, args);
+  (void)EnsureDynamicSmem(opted_in, W4a8WgmmaKernel<T, kGroupSteps, kGemm1, kBM>,
+                          Tile::kSmemBytes);
+  LaunchAfterPrior(W4a8WgmmaKernel<T, kGroupSteps, kGemm1, kBM>, grid, dim3(Tile::kThreads),
+                   Tile::kSmemBytes, stream, args);
 }
 
-template <typename T, bool kGemm1>
-std::string LaunchW4a8Gemm(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
+template <typename T, bool kGemm1, int kBM>
+std::string LaunchW4a8GemmTile(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
   const int steps = args.groups == 1 ? 0 : (args.k / args.groups) / 32;
   switch (steps) {
-    case 0: LaunchW4a8GemmFor<T, 0, kGemm1>(args, grid, stream); break;
-    case 1: LaunchW4a8GemmFor<T, 1, kGemm1>(args, grid, stream); break;
-    case 2: LaunchW4a8GemmFor<T, 2, kGemm1>(args, grid, stream); break;
-    case 4: LaunchW4a8GemmFor<T, 4, kGemm1>(args, grid, stream); break;
+    case 0: LaunchW4a8GemmFor<T, 0, kGemm1, kBM>(args, grid, stream); break;
+    case 1: LaunchW4a8GemmFor<T, 1, kGemm1, kBM>(args, grid, stream); break;
+    case 2: LaunchW4a8GemmFor<T, 2, kGemm1, kBM>(args, grid, stream); break;
+    case 4: LaunchW4a8GemmFor<T, 4, kGemm1, kBM>(args, grid, stream); break;
     default: return "unsupported group size " + std::to_string(args.k / args.groups);
   }
   return "";
+}
+
+template <typename T, bool kGemm1>
+std::string LaunchW4a8Gemm(const W4a8GemmArgs& args, int block_m, dim3 grid,
+                           cudaStream_t stream) {
+  switch (block_m) {
+    case 128: return LaunchW4a8GemmTile<T, kGemm1, 128>(args, grid, stream);
+    case 64: return LaunchW4a8GemmTile<T, kGemm1, 64>(args, grid, stream);
+    case 32: return LaunchW4a8GemmTile<T, kGemm1, 32>(args, grid, stream);
+    default: return "unsupported block_m " + std::to_string(block_m);
+  }
 }
 
 // ------------------------------------------------------------------ finalize
@@ -661,11 +698,12 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   const int64_t max_blocks = W4a8MoeMaxBlocks(p);
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts), K = static_cast<int>(p.top_k);
+  const int bm = static_cast<int>(p.block_m);
 
-  // 1. Token-to-expert alignment in blocks of 128 (the WNA16 launcher's; no workspace to zero:
+  // 1. Token-to-expert alignment in blocks of block_m (the WNA16 launcher's; no workspace to zero:
   // nothing here splits K).
   StandardAlignment a =
-      MakeStandardAlignment(p.topk_ids, rows, E, kW8BlockM, max_padded, max_blocks, p.sorted_ids,
+      MakeStandardAlignment(p.topk_ids, rows, E, bm, max_padded, max_blocks, p.sorted_ids,
                             p.expert_ids, p.num_post_padded);
   a.scratch = p.ws2;  // GEMM2's rows, written only after the alignment
   a.scratch_bytes = rows * H * static_cast<int64_t>(p.dtype == W4a8Dtype::kF32 ? 4 : 2);
@@ -703,7 +741,7 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   g1.groups = static_cast<int>(p.groups13);
   g1.activation = p.activation;
   g1.act = p.act;
-  err = LaunchW4a8Gemm<T, true>(g1, dim3(static_cast<unsigned>(max_blocks), I / 64), stream);
+  err = LaunchW4a8Gemm<T, true>(g1, bm, dim3(static_cast<unsigned>(max_blocks), I / 64), stream);
   if (!err.empty()) return err;
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
@@ -733,11 +771,11 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   const unsigned n_tiles2 = static_cast<unsigned>((H + 127) / 128);
   if (max_blocks <= 65535) {
     g2.blk_on_x = false;
-    err = LaunchW4a8Gemm<T, false>(g2, dim3(n_tiles2, static_cast<unsigned>(max_blocks)),
+    err = LaunchW4a8Gemm<T, false>(g2, bm, dim3(n_tiles2, static_cast<unsigned>(max_blocks)),
                                    stream);
   } else {
     g2.blk_on_x = true;
-    err = LaunchW4a8Gemm<T, false>(g2, dim3(static_cast<unsigned>(max_blocks), n_tiles2),
+    err = LaunchW4a8Gemm<T, false>(g2, bm, dim3(static_cast<unsigned>(max_blocks), n_tiles2),
                                    stream);
   }
   if (!err.empty()) return err;
@@ -763,13 +801,13 @@ int64_t W4a8MoeInputRows(const W4a8MoeProblem& p) {
 }
 
 int64_t W4a8MoeMaxPadded(const W4a8MoeProblem& p) {
-  const int64_t bm = kW8BlockM;
+  const int64_t bm = p.block_m;
   const int64_t pairs = W4a8MoeRows(p);
   const int64_t padded = pairs + std::min(pairs, p.experts) * (bm - 1);
   return std::max<int64_t>(bm, (padded + bm - 1) / bm * bm);
 }
 
-int64_t W4a8MoeMaxBlocks(const W4a8MoeProblem& p) { return W4a8MoeMaxPadded(p) / kW8BlockM; }
+int64_t W4a8MoeMaxBlocks(const W4a8MoeProblem& p) { return W4a8MoeMaxPadded(p) / p.block_m; }
 
 namespace {
 std::string ValidateGroups(const char* name, int64_t groups, int64_t k) {
@@ -795,6 +833,9 @@ std::string ValidateW4a8MoeProblem(const W4a8MoeProblem& p) {
            " (int32 sums of the int8 products)";
   }
   if (p.experts <= 0 || p.experts > 4096) return "number of experts must be in [1, 4096]";
+  if (p.block_m != 32 && p.block_m != 64 && p.block_m != 128) {
+    return "block_m must be 32, 64 or 128, got " + std::to_string(p.block_m);
+  }
   if (p.tokens < 0) return "tokens must be >= 0";
   if (p.top_k < 1) return "top_k must be >= 1";
   if (std::string err = ValidateGroups("w13", p.groups13, p.hidden); !err.empty()) return err;

@@ -32,6 +32,7 @@ struct W4a8MoeProblem {
   int activation = 0;        // 0/2: silu(g)*u, 1: swigluoai
   bool has_bias = false;
   bool weight_on_input = false;  // apply_router_weight_on_input
+  int64_t block_m = 128;     // tokens per expert block of the GEMMs: 128, 64 or 32
 
   // Inputs.
   const void* x = nullptr;               // [T, H]

@@ -155,21 +155,20 @@ __device__ __forceinline__ void WgmmaM64NxK16(float (&d)[N / 2], const uint32_t 
   }
 }
 
-// s32 d[64] (+)= A (64 x 32 int8, this warpgroup's registers: warp w holds rows 16w..16w+15,
+// s32 d[N / 2] (+)= A (64 x 32 int8, this warpgroup's registers: warp w holds rows 16w..16w+15,
 // lane (g, t) a[0] = row g, inputs 4t..4t+3 (byte i = input 4t + i), a[1] = row g + 8, same
-// inputs, a[2] / a[3] = rows g / g + 8, inputs 16 + 4t..16 + 4t + 3) x B (32 x 128 int8, K-major
-// from the descriptor: 32 bytes of each token row). accumulate false: d = A x B (a fresh sum).
-// Accumulator layout as WgmmaM64N128K16's.
-__device__ __forceinline__ void WgmmaS8M64N128K32(int32_t (&d)[64], const uint32_t (&a)[4],
-                                                  uint64_t desc_b, bool accumulate) {
-  JAX_MOEQ_WGMMA_S32_MMA_ASYNC(64, "m64n128k32");
-}
-
-// s32 d[32] (+)= A (64 x 32 int8, registers as WgmmaS8M64N128K32) x B (32 x 64 int8, K-major
-// from the descriptor). Accumulator layout as WgmmaM64N128K16's, columns 0..63.
-__device__ __forceinline__ void WgmmaS8M64N64K32(int32_t (&d)[32], const uint32_t (&a)[4],
-                                                 uint64_t desc_b, bool accumulate) {
-  JAX_MOEQ_WGMMA_S32_MMA_ASYNC(32, "m64n64k32");
+// inputs, a[2] / a[3] = rows g / g + 8, inputs 16 + 4t..16 + 4t + 3) x B (32 x N int8, N = 32 or
+// 64 tokens, K-major from the descriptor: 32 bytes of each token row). accumulate false: d = A x B
+// (a fresh sum). Accumulator layout as WgmmaM64N128K16's, columns 0..N-1.
+template <int N>
+__device__ __forceinline__ void WgmmaS8M64NxK32(int32_t (&d)[N / 2], const uint32_t (&a)[4],
+                                                uint64_t desc_b, bool accumulate) {
+  static_assert(N == 32 || N == 64, "32- or 64-token tiles");
+  if constexpr (N == 32) {
+    JAX_MOEQ_WGMMA_S32_MMA_ASYNC(16, "m64n32k32");
+  } else {
+    JAX_MOEQ_WGMMA_S32_MMA_ASYNC(32, "m64n64k32");
+  }
 }
 
 #undef JAX_MOEQ_WGMMA_S32_MMA_ASYNC

@@ -140,6 +140,32 @@ def choose_block_m(pairs_per_expert: float) -> int:
   return WGMMA_BLOCK_M
 
 
+# The GPU W4A8 GEMM's token tiles (csrc/cuda/w4a8_moe.cu, W8Tile): 32 and 64 tokens (two
+# warpgroups, two CTAs per SM) and 128 (four warpgroups, one CTA per SM). The 32-token tile up to
+# W4A8_TILE32_MAX_PAIRS expected pairs per expert, the 64-token tile beyond: two CTAs of 64 tokens
+# beat one of 128 even at T = 4096, each CTA's group promotions and barriers running while the
+# other's MMAs do. H100, 2026-11-27, us per layer (8 layers per jit, benchmarks/w4a8_gpu_bench.py
+# --block-ms 128,64,32), tiles 32 / 64 / 128:
+#   Mixtral-8x7B T=64 (16 pairs) 327 / 364 / 684; T=256 (64) 753 / 558 / 689; T=1024 2341 / 1536
+#     / 1719; T=4096 8600 / 5425 / 5642.
+#   Qwen3-30B-A3B T=256 (16) 186 / 209 / 383; T=1024 (64) 403 / 316 / 416; T=4096 1298 / 920 / 1060.
+#   DeepSeek-V2-Lite T=256 (24) 177 / 193 / 335; T=1024 (96) 470 / 352 / 375; T=4096 1567 / 1066
+#     / 1201.
+W4A8_BLOCK_MS = (32, 64, 128)
+W4A8_TILE32_MAX_PAIRS = 24
+
+
+def choose_w4a8_block_m(pairs_per_expert: float, block_m: int | None = None) -> int:
+  """Tokens per expert block of a GPU W4A8 call: `block_m` when given (ValueError unless one of
+  W4A8_BLOCK_MS), else 32 up to W4A8_TILE32_MAX_PAIRS expected pairs per expert and 64 beyond
+  (the 128-token tile was slower everywhere measured)."""
+  if block_m is not None:
+    if block_m not in W4A8_BLOCK_MS:
+      raise ValueError(f"block_m must be one of {W4A8_BLOCK_MS}, got {block_m}")
+    return block_m
+  return 32 if pairs_per_expert <= W4A8_TILE32_MAX_PAIRS else 64
+
+
 DETERMINISTIC_ENV = "JAX_MOEQ_DETERMINISTIC"
 
 

@@ -2,7 +2,8 @@
 
 Semantics: SPEC §3-4, the same function as the CPU op (`ops.w4a8_cpu.dynamic_4bit_int_moe`) and
 `reference.fused_moe_w4a8`. The kernel (csrc/cuda/w4a8_moe.cu, `jax_moeq_w4a8_moe_cuda`, Hopper
-sm_90a only) runs: alignment of the (token, slot) pairs to experts in blocks of 128 -> int8
+sm_90a only) runs: alignment of the (token, slot) pairs to experts in blocks of block_m (32, 64
+or 128 tokens, `_gpu_launch.choose_w4a8_block_m`) -> int8
 quantization of x per token (per pair, x·w rounded, with apply_router_weight_on_input) ->
 GEMM1 on int8 tensor cores (wgmma s8·s8 -> s32, group sums promoted to f32 in group order),
 y = scale_t · (Σ_g sw·dot_g − zp_t · row_corr) + bias, rounded -> activation, rounded -> int8
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_moeq.ops import w4a8_cpu
+from jax_moeq.ops import _gpu_launch, w4a8_cpu
 
 Array = jax.Array
 
@@ -39,7 +40,6 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
 ALIGNMENT = 128  # H and I: the kernel's 128-deep chunks (and 64-row GEMM1 tiles)
 MAX_FEATURES = 65536  # H and I: int32 sums of the int8 products
 MAX_EXPERTS = 4096  # the alignment kernel
-BLOCK_M = 128  # tokens per expert block
 COMPUTE_CAPABILITY = (9, 0)  # built for sm_90a only
 
 
@@ -191,9 +191,9 @@ def w4a8_gpu_available() -> bool:
 
 
 # ------------------------------------------------------------------ the op
-def _max_padded(pairs: int, experts: int) -> int:
-  padded = pairs + min(pairs, experts) * (BLOCK_M - 1)
-  return max(BLOCK_M, -(-padded // BLOCK_M) * BLOCK_M)
+def _max_padded(pairs: int, experts: int, block_m: int) -> int:
+  padded = pairs + min(pairs, experts) * (block_m - 1)
+  return max(block_m, -(-padded // block_m) * block_m)
 
 
 def _validate(x, weights, topk_weights, topk_ids, activation_kind):
@@ -225,7 +225,7 @@ def _validate(x, weights, topk_weights, topk_ids, activation_kind):
 
 def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_ids: Array, *,
                  activation_kind: int = 0, apply_router_weight_on_input: bool = False,
-                 out_init: Array | None = None) -> Array:
+                 block_m: int | None = None, out_init: Array | None = None) -> Array:
   """W4A8 fused MoE on a Hopper GPU (SPEC §4); usable under jit.
 
   Args:
@@ -236,6 +236,8 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
     activation_kind: 0 silu(g)·u, 1 swigluoai, 2 silu (== 0).
     apply_router_weight_on_input: multiply x[t] by the pair's weight (rounded to x's dtype)
       before GEMM1 instead of weighting GEMM2's output.
+    block_m: tokens per expert block of the GEMMs (32, 64 or 128); None chooses it from the
+      expected pairs per expert (`_gpu_launch.choose_w4a8_block_m`). Results do not depend on it.
     out_init: optional buffer aliased to the output (tests poison it to prove every element is
       written).
   Returns:
@@ -248,13 +250,14 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
   g = weights.group_size
   rows = t * k
   in_rows = rows if apply_router_weight_on_input else t
-  padded = _max_padded(rows, e)
+  block_m = _gpu_launch.choose_w4a8_block_m(rows / max(e, 1), block_m)
+  padded = _max_padded(rows, e, block_m)
   dt = x.dtype
   r1 = max(rows, 1)
   results = [
       jax.ShapeDtypeStruct((t, h), dt),
       jax.ShapeDtypeStruct((padded,), jnp.int32),
-      jax.ShapeDtypeStruct((padded // BLOCK_M,), jnp.int32),
+      jax.ShapeDtypeStruct((padded // block_m,), jnp.int32),
       jax.ShapeDtypeStruct((1,), jnp.int32),
       jax.ShapeDtypeStruct((max(in_rows, 1) * h,), jnp.int8),
       jax.ShapeDtypeStruct((max(in_rows, 1) * 2,), jnp.float32),
@@ -270,7 +273,8 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
                 groups13=np.int64(1 if g == -1 else h // g),
                 groups2=np.int64(1 if g == -1 else i // g),
                 activation_kind=np.int64(activation_kind), has_bias=weights.has_bias,
-                apply_router_weight_on_input=bool(apply_router_weight_on_input))
+                apply_router_weight_on_input=bool(apply_router_weight_on_input),
+                block_m=np.int64(block_m))
   from jax_moeq import _ffi
   _ffi.cuda_library()
   if out_init is None:
