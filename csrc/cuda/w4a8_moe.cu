@@ -50,31 +50,40 @@ namespace {
 constexpr int kW8Chunk = 128;    // inputs per pipeline stage (4 k-steps of 32)
 constexpr int kW8InFlight = 3;
 constexpr int kW8StageWeights = 8 * 1024;  // 8 warps' subtiles: 16 rows x 128 inputs / 2 each
-constexpr int kW8StageScales = 256 * 4 * 8;  // up to 4 groups x float2 per lane of those warps
+// Shared memory an SM gives its CTAs (228 KB less 1 KB reserved per CTA), for the stage counts.
+constexpr int kW8SmemPerSm = 228 * 1024;
+constexpr int kW8MaxStages = 8;
 
-// The GEMM's shape per token tile kBM (tokens per expert block: 128, 64 or 32). At 128 four
-// warpgroups share the weight rows (two token halves of 64), one CTA per SM; at 64 and 32 two
-// warpgroups (the two row tiles) each take the whole token tile, two CTAs per SM, so that a
-// decode-sized expert block is not padded to 128 tokens.
-template <int kBM>
+// The GEMM's shape per token tile kBM (tokens per expert block: 128, 64 or 32) and group size
+// (kGroupSteps 32-deep k-steps per group, 0 channel-wise). At 128 four warpgroups share the weight
+// rows (two token halves of 64), one CTA per SM; at 64 and 32 two warpgroups (the two row tiles)
+// each take the whole token tile, two CTAs per SM, so that a decode-sized expert block is not
+// padded to 128 tokens. A stage holds the token tile, the weight fragments and each lane's scale
+// pairs of the chunk's groups; as many stages as the CTA's share of the SM holds (at most
+// kW8MaxStages).
+template <int kBM, int kGroupSteps>
 struct W8Tile {
   static_assert(kBM == 128 || kBM == 64 || kBM == 32, "token tiles of 128, 64 or 32");
   static constexpr int kThreads = kBM == 128 ? 512 : 256;
   static constexpr int kCtasPerSm = kBM == 128 ? 1 : 2;
   static constexpr int kWgTokens = kBM == 128 ? 64 : kBM;  // wgmma N
   static constexpr int kAcc = kWgTokens / 2;              // s32 (and f32) accumulators a thread
-  // Two CTAs per SM share its 227 KB: 4 stages of 24 KB at 64 tokens, 5 of 20 KB at 32.
-  static constexpr int kStages = kBM == 128 ? 6 : (kBM == 64 ? 4 : 5);
-  static constexpr int kAhead = kStages - 2;  // the stage refilled was read two chunks ago
+  static constexpr int kGroupsPerChunk = kGroupSteps > 0 ? 4 / kGroupSteps : 0;
+  static constexpr int kScaleSlot = 8 * kGroupsPerChunk;  // bytes of scale pairs per lane
   static constexpr int kStageTokens = kBM * kW8Chunk;
-  static constexpr int kStageBytes = kStageTokens + kW8StageWeights + kW8StageScales;
+  static constexpr int kStageBytes = kStageTokens + kW8StageWeights + 256 * kScaleSlot;
+  static constexpr int kStaticSmem = kBM * 12;  // tok_id, tok_param
+  static constexpr int kStages =
+      std::min(kW8MaxStages,
+               (kW8SmemPerSm / kCtasPerSm - 1024 - kStaticSmem - 1024) / kStageBytes);
+  static constexpr int kAhead = kStages - 2;  // the stage refilled was read two chunks ago
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;
   static constexpr int kTileStride = kBM + 4;  // floats per row of the epilogue's staged tile
   static constexpr int kRowsPerPass = kThreads / 8;  // token rows one pass of 16-byte pieces covers
   static constexpr int kPieces = kBM / kRowsPerPass;
   static_assert(kStageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
+  static_assert(kStages >= 4, "a ring of at least four stages");
   static_assert(128 * kTileStride * 4 <= kStages * kStageBytes, "the tile fits the stages");
-  static_assert(kCtasPerSm * (kSmemBytes + kBM * 12) <= 227 * 1024, "the CTAs fit an SM");
 };
 // Largest K: |sum of 16 q qa| <= K * 2^14 must stay below 2^31.
 constexpr int64_t kW8MaxFeatures = 65536;
@@ -389,9 +398,10 @@ struct W4a8GemmArgs {
 // kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales. kBM: tokens
 // per expert block (W8Tile).
 template <typename T, int kGroupSteps, bool kGemm1, int kBM>
-__global__ void __launch_bounds__(W8Tile<kBM>::kThreads, W8Tile<kBM>::kCtasPerSm)
+__global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps>::kThreads,
+                                  W8Tile<kBM, kGroupSteps>::kCtasPerSm)
     W4a8WgmmaKernel(W4a8GemmArgs p) {
-  using Tile = W8Tile<kBM>;
+  using Tile = W8Tile<kBM, kGroupSteps>;
   WaitForPriorGrids();
   AllowDependentGrids();
   const int blk = p.blk_on_x ? blockIdx.x : blockIdx.y;
@@ -450,9 +460,9 @@ __global__ void __launch_bounds__(W8Tile<kBM>::kThreads, W8Tile<kBM>::kCtasPerSm
   // half 0 copy them, into slots indexed by (row tile, warp in the warpgroup, lane).
   const int slot = (rt * 4 + (warp & 3)) * 32 + lane;
   const uint32_t weight_off = Tile::kStageTokens + slot * 32;
-  const uint32_t scale_off = Tile::kStageTokens + kW8StageWeights + slot * 32;
+  const uint32_t scale_off = Tile::kStageTokens + kW8StageWeights + slot * Tile::kScaleSlot;
   const bool copies_weights = half == 0;
-  constexpr int kGroupsPerChunk = kGroupSteps > 0 ? 4 / kGroupSteps : 0;
+  constexpr int kGroupsPerChunk = Tile::kGroupsPerChunk;
   auto issue = [&](int kc, uint32_t st) {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
@@ -603,7 +613,7 @@ __global__ void __launch_bounds__(W8Tile<kBM>::kThreads, W8Tile<kBM>::kCtasPerSm
 
 template <typename T, int kGroupSteps, bool kGemm1, int kBM>
 void LaunchW4a8GemmFor(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
-  using Tile = W8Tile<kBM>;
+  using Tile = W8Tile<kBM, kGroupSteps>;
   // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's. The
   // table is a static of this function template, so each kernel instantiation has its own.
   static SmemOptInTable opted_in;
