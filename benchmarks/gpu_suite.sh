@@ -122,7 +122,7 @@ if has trace; then
     spec=$(echo $spec)  # trims the blanks around each entry
     name=$(echo $spec | tr ' ' '_')
     timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-      -k "regex:Align|Finalize|MoeInt4|MxInt4|Permute|DecodeLayer" "$PY" benchmarks/layer_trace.py $spec \
+      -k "regex:Align|Finalize|MoeInt4|MxInt4|Permute|DecodeLayer|W4a8" "$PY" benchmarks/layer_trace.py $spec \
       >"$raw/ncu_$name.csv" 2>"$raw/ncu_$name.err"
     echo "== trace $spec"
     "$PY" benchmarks/layer_trace.py --summary "$raw/ncu_$name.csv" 2>&1 | cut -c1-110

@@ -8,6 +8,7 @@ could skip it (decodes_without_alignment forced false), to compare the two paths
 "/fused": the fused decode kernel wherever it fits (the automatic choice does not take it).
   python3 benchmarks/launch_probe.py wna16 Mixtral-8x7B 1 1.7 1.8
   python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto auto/aligned auto/fused
+The ops: wna16, mxint4 and w4a8 (whose launch has none of these choices: "auto" only).
 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
@@ -26,9 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibli
 import _timing  # noqa: E402
 
 _timing.use_source_tree_if_not_installed()
-from jax_moeq.ops import _gpu_launch, mxint4_gpu, wna16_gpu  # noqa: E402
+from jax_moeq.ops import _gpu_launch, mxint4_gpu, w4a8_gpu, wna16_gpu  # noqa: E402
 import gpu_moe_bench  # noqa: E402
 import mxint4_bench  # noqa: E402
+import w4a8_gpu_bench  # noqa: E402
 
 ROUNDS = 5
 SETS = gpu_moe_bench.ROUTING_SETS
@@ -39,15 +41,16 @@ def make_op(op: str, name: str, t: int):
   list). Each of the SETS layers has its own weights (gpu_moe_bench.layer_weights), as in the
   benchmarks. Weights and inputs are arguments, never closed over: a jit would embed them as
   constants."""
-  if op == "wna16":
+  if op in ("wna16", "w4a8"):
     e, k, h, i = gpu_moe_bench.SHAPES[name]
-    layers = gpu_moe_bench.layer_weights(
-        lambda key: gpu_moe_bench.random_weights(key, e, h, i), SETS)
+    make = gpu_moe_bench.random_weights if op == "wna16" else w4a8_gpu_bench.random_w4a8_weights
+    layers = gpu_moe_bench.layer_weights(lambda key: make(key, e, h, i), SETS)
     x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
     sets = gpu_moe_bench.routing_sets(t, t, e, k)
     ids = jnp.stack([jnp.asarray(s[0]) for s in sets])
     w = jnp.stack([jnp.asarray(s[1]) for s in sets])
-    one = lambda x, weights, w, ids: wna16_gpu.fused_marlin_moe(x, weights, w, ids)
+    moe = wna16_gpu.fused_marlin_moe if op == "wna16" else w4a8_gpu.w4a8_gpu_moe
+    one = lambda x, weights, w, ids: moe(x, weights, w, ids)
     multi = lambda x, wts, w, ids: [one(x, wts[j], w[j], ids[j]) for j in range(SETS)]
     return multi, (x, layers, w, ids), one, [(x, layers[j], w[j], ids[j]) for j in range(SETS)]
   e, k, h, i = mxint4_bench.SHAPES[name]

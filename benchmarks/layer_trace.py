@@ -1,7 +1,7 @@
 """Runs launch_probe's 8-layer graph of one op, shape and T a few times, for a per-kernel trace
 under Nsight Compute (kernels serialized, so each duration is the kernel alone):
   ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-      -k "regex:Align|Finalize|MoeInt4|MxInt4|Permute|DecodeLayer" \
+      -k "regex:Align|Finalize|MoeInt4|MxInt4|Permute|DecodeLayer|W4a8" \
       python3 benchmarks/layer_trace.py wna16 Qwen3-30B-A3B 16 [variant] > /tmp/ncu.csv
   python3 benchmarks/layer_trace.py --summary /tmp/ncu.csv
 The summary keeps the last call's kernels (warm) and prints each kernel's mean duration and the
