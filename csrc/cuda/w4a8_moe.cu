@@ -241,13 +241,16 @@ struct RowRange {
   }
 };
 
+// Where the quantizers wait for the op's previous kernel (dependent_launch.cuh). kBeforeWork: the
+// rule's place, first. kAfterWork: x's quantizer, which reads only the op's inputs and writes rows
+// no earlier kernel of the op touches, runs beside the alignment and waits for it last, in every
+// thread, so that its completion still implies the alignment's (GEMM1 waits only for it).
+enum class QuantWait { kBeforeWork, kAfterWork };
+
 template <typename T>
-__global__ void __launch_bounds__(kQuantThreads)
-    W4a8QuantizeRowsKernel(const T* x, int in_div, const float* row_weights,
-                           const int32_t* row_experts, int experts, int cols, int rows, int8_t* q,
-                           float2* params) {
-  WaitForPriorGrids();
-  AllowDependentGrids();
+__device__ __forceinline__ void QuantizeRowCta(const T* x, int in_div, const float* row_weights,
+                                               const int32_t* row_experts, int experts, int cols,
+                                               int rows, int8_t* q, float2* params) {
   const int r = blockIdx.x;
   if (r >= rows) return;
   if (row_experts) {
@@ -288,6 +291,17 @@ __global__ void __launch_bounds__(kQuantThreads)
   if (threadIdx.x == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+    W4a8QuantizeRowsKernel(const T* x, int in_div, const float* row_weights,
+                           const int32_t* row_experts, int experts, int cols, int rows, int8_t* q,
+                           float2* params, QuantWait wait) {
+  if (wait == QuantWait::kBeforeWork) WaitForPriorGrids();
+  AllowDependentGrids();
+  QuantizeRowCta<T>(x, in_div, row_weights, row_experts, experts, cols, rows, q, params);
+  if (wait == QuantWait::kAfterWork) WaitForPriorGrids();
+}
+
 // The same quantizer with one warp per row and 16-byte loads (rows of at most
 // kQuantWarpMaxCols elements, a multiple of 16 / sizeof(T); row starts 16-byte aligned): the
 // CTA-per-row form spent most of its time in the block reduction and launch at I = 768.
@@ -309,12 +323,9 @@ __device__ __forceinline__ void UnpackVec(const uint4& raw, float (&v)[16 / size
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
-    W4a8QuantizeRowsWarpKernel(const T* x, int in_div, const float* row_weights,
-                               const int32_t* row_experts, int experts, int cols, int rows,
-                               int8_t* q, float2* params) {
-  WaitForPriorGrids();
-  AllowDependentGrids();
+__device__ __forceinline__ void QuantizeRowWarp(const T* x, int in_div, const float* row_weights,
+                                                const int32_t* row_experts, int experts, int cols,
+                                                int rows, int8_t* q, float2* params) {
   constexpr int kVec = 16 / sizeof(T);
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * kQuantWarpsPerCta + (threadIdx.x >> 5);
@@ -357,21 +368,34 @@ __global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
   if (lane == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
+    W4a8QuantizeRowsWarpKernel(const T* x, int in_div, const float* row_weights,
+                               const int32_t* row_experts, int experts, int cols, int rows,
+                               int8_t* q, float2* params, QuantWait wait) {
+  if (wait == QuantWait::kBeforeWork) WaitForPriorGrids();
+  AllowDependentGrids();
+  QuantizeRowWarp<T>(x, in_div, row_weights, row_experts, experts, cols, rows, q, params);
+  if (wait == QuantWait::kAfterWork) WaitForPriorGrids();
+}
+
 // Launches the warp-per-row form where it applies, else the CTA-per-row one.
 template <typename T>
 void LaunchQuantizeRows(const T* x, int in_div, const float* row_weights,
                         const int32_t* row_experts, int experts, int cols, int rows, int8_t* q,
-                        float2* params, cudaStream_t stream) {
+                        float2* params, cudaStream_t stream,
+                        QuantWait wait = QuantWait::kBeforeWork) {
   constexpr int kVec = 16 / sizeof(T);
   if (cols % kVec == 0 && cols <= kQuantWarpMaxCols &&
       reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
     const unsigned ctas = static_cast<unsigned>((rows + kQuantWarpsPerCta - 1) / kQuantWarpsPerCta);
     LaunchAfterPrior(W4a8QuantizeRowsWarpKernel<T>, dim3(ctas), dim3(kQuantWarpsPerCta * 32), 0,
-                     stream, x, in_div, row_weights, row_experts, experts, cols, rows, q, params);
+                     stream, x, in_div, row_weights, row_experts, experts, cols, rows, q, params,
+                     wait);
   } else {
     LaunchAfterPrior(W4a8QuantizeRowsKernel<T>, dim3(static_cast<unsigned>(rows)),
                      dim3(kQuantThreads), 0, stream, x, in_div, row_weights, row_experts, experts,
-                     cols, rows, q, params);
+                     cols, rows, q, params, wait);
   }
 }
 
@@ -722,12 +746,13 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   if (!err.empty()) return err;
 
   // 2. GEMM1's input rows in int8: per token, or per pair (x[t] * w[t][k] rounded) when the
-  // router weight goes on the input.
+  // router weight goes on the input. Only the op's inputs are read, so it runs beside the
+  // alignment (QuantWait::kAfterWork).
   LaunchQuantizeRows<T>(static_cast<const T*>(p.x), p.weight_on_input ? K : 1,
                         p.weight_on_input ? p.topk_weights : nullptr,
                         p.weight_on_input ? p.topk_ids : nullptr, E, H,
                         static_cast<int>(in_rows), p.qx, reinterpret_cast<float2*>(p.x_params),
-                        stream);
+                        stream, QuantWait::kAfterWork);
   err = CudaError("input quantization kernel");
   if (!err.empty()) return err;
 
