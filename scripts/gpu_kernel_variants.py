@@ -9,8 +9,9 @@ split-K with the GEMM1 finalize, the wgmma prefill GEMM (block_m 128, T >= 256),
 expert-parallel drop), and the batched format (mma.sync and wgmma). MxInt4 (`mxint4_moe`): every
 routing method at several tokens, DeepSeekV3 routing with groups and the correction bias at one
 token (both one-token forms) and many, expert parallelism (a rank's local experts), split-K, and
-the wgmma prefill. W4A8 (`w4a8_gpu_moe`): every token tile (block_m 32, 64, 128) with group
-scales and channel-wise ones, biases, the router weight on the input and ids outside [0, E).
+the wgmma prefill. W4A8 (`w4a8_gpu_moe`): every token tile (block_m 32 at short and long K, 64,
+128) with group scales and channel-wise ones, biases, the router weight on the input and ids
+outside [0, E).
 
 Inputs are made with numpy and the weights packed on the CPU backend, references computed there
 too, so the GPU runs (almost) only our kernels. Every call writes into a NaN-poisoned output
@@ -436,6 +437,7 @@ VARIANTS = {
     "mxint4_wgmma_ws": MxInt4Case(t=256, e=8, k=2, block_m=32, mainloop="wgmma_ws"),
     # W4A8: each token tile, group and channel-wise scales; a tile past N in GEMM2 (H = 384).
     "w4a8_bm32": W4a8Case(t=5, group=32, bias=True),
+    "w4a8_bm32_long_k": W4a8Case(t=5, e=4, h=2176, i=2176, block_m=32),  # two CTAs per SM
     "w4a8_bm32_on_input_foreign_ids": W4a8Case(t=9, k=3, block_m=32, on_input=True,
                                                foreign_ids=True, dtype="float16"),
     "w4a8_bm64_channel": W4a8Case(t=70, e=4, h=384, block_m=64, group=-1, activation=1),

@@ -300,6 +300,15 @@ def test_every_token_tile_gives_the_same_bits(t, group_size, dtype):
 
 
 @needs_gpu
+def test_long_k_token_tiles_give_the_same_bits():
+  # K = 2176 (17 chunks of 128) in both GEMMs: the 32-token tile runs two CTAs per SM there and
+  # three at K <= 2048 (the other tests); both forms agree with the 64-token tile bit for bit.
+  outs = [_run_case(77, t=5, e=4, k=2, h=2176, i=2176, dtype=jnp.bfloat16, group_size=128,
+                    block_m=bm)[0] for bm in (32, 64)]
+  np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@needs_gpu
 def test_model_like_shape_f32():
   # Several expert blocks per expert and several N tiles in both GEMMs (GEMM2's N % 128 == 0,
   # GEMM1's 64-column tiles), K spanning many chunks.

@@ -54,18 +54,18 @@ constexpr int kW8StageWeights = 8 * 1024;  // 8 warps' subtiles: 16 rows x 128 i
 constexpr int kW8SmemPerSm = 228 * 1024;
 constexpr int kW8MaxStages = 8;
 
-// The GEMM's shape per token tile kBM (tokens per expert block: 128, 64 or 32) and group size
-// (kGroupSteps 32-deep k-steps per group, 0 channel-wise). At 128 four warpgroups share the weight
-// rows (two token halves of 64), one CTA per SM; at 64 and 32 two warpgroups (the two row tiles)
-// each take the whole token tile, two CTAs per SM, so that a decode-sized expert block is not
-// padded to 128 tokens. A stage holds the token tile, the weight fragments and each lane's scale
-// pairs of the chunk's groups; as many stages as the CTA's share of the SM holds (at most
-// kW8MaxStages).
-template <int kBM, int kGroupSteps>
+// The GEMM's shape per token tile kBM (tokens per expert block: 128, 64 or 32), group size
+// (kGroupSteps 32-deep k-steps per group, 0 channel-wise) and CTAs per SM. At 128 four warpgroups
+// share the weight rows (two token halves of 64), one CTA per SM; at 64 and 32 two warpgroups (the
+// two row tiles) each take the whole token tile, two CTAs per SM (three for the 32-token tile at
+// short K, W8CtasPerSm), so that a decode-sized expert block is not padded to 128 tokens. A stage
+// holds the token tile, the weight fragments and each lane's scale pairs of the chunk's groups; as
+// many stages as the CTA's share of the SM holds (at most kW8MaxStages).
+template <int kBM, int kGroupSteps, int kCtas>
 struct W8Tile {
   static_assert(kBM == 128 || kBM == 64 || kBM == 32, "token tiles of 128, 64 or 32");
+  static_assert(kCtas == (kBM == 128 ? 1 : 2) || (kBM == 32 && kCtas == 3), "CTAs per SM");
   static constexpr int kThreads = kBM == 128 ? 512 : 256;
-  static constexpr int kCtasPerSm = kBM == 128 ? 1 : 2;
   static constexpr int kWgTokens = kBM == 128 ? 64 : kBM;  // wgmma N
   static constexpr int kAcc = kWgTokens / 2;              // s32 (and f32) accumulators a thread
   static constexpr int kGroupsPerChunk = kGroupSteps > 0 ? 4 / kGroupSteps : 0;
@@ -73,9 +73,11 @@ struct W8Tile {
   static constexpr int kStageTokens = kBM * kW8Chunk;
   static constexpr int kStageBytes = kStageTokens + kW8StageWeights + 256 * kScaleSlot;
   static constexpr int kStaticSmem = kBM * 12;  // tok_id, tok_param
-  static constexpr int kStages =
-      std::min(kW8MaxStages,
-               (kW8SmemPerSm / kCtasPerSm - 1024 - kStaticSmem - 1024) / kStageBytes);
+  static constexpr int StagesAt(int ctas) {
+    return std::min(kW8MaxStages, (kW8SmemPerSm / ctas - 1024 - kStaticSmem - 1024) / kStageBytes);
+  }
+  static constexpr int kCtasPerSm = kCtas;
+  static constexpr int kStages = StagesAt(kCtas);
   static constexpr int kAhead = kStages - 2;  // the stage refilled was read two chunks ago
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;
   static constexpr int kTileStride = kBM + 4;  // floats per row of the epilogue's staged tile
@@ -85,6 +87,29 @@ struct W8Tile {
   static_assert(kStages >= 4, "a ring of at least four stages");
   static_assert(128 * kTileStride * 4 <= kStages * kStageBytes, "the tile fits the stages");
 };
+// A third CTA of the 32-token tile per SM (5 stages instead of 7 at group 128) paid at K <= 2048
+// and lost at K >= 4096 (H100, 2026-11-27: Qwen3-30B-A3B T=256 177 -> 167 us, DeepSeek-V2-Lite
+// 166 -> 159; Mixtral-8x7B T=64 323 -> 340): a short K leaves each CTA's pipeline fill and
+// epilogue exposed, which a third CTA covers; a long K wants the deeper ring.
+constexpr int kW8ThirdCtaMaxChunks = 16;
+
+// Whether the 32-token tile of a group size keeps four stages with three CTAs per SM.
+template <int kBM, int kGroupSteps>
+constexpr bool kW8ThirdCtaFits = kBM == 32 && W8Tile<32, kGroupSteps, 2>::StagesAt(3) >= 4;
+
+// CTAs per SM of a launch: 1 at 128 tokens, 2 at 64, and at 32 three for K of at most
+// kW8ThirdCtaMaxChunks chunks where four stages still fit, else 2.
+template <int kBM, int kGroupSteps>
+int W8CtasPerSm(int k) {
+  if constexpr (kBM == 128) {
+    return 1;
+  } else if constexpr (kW8ThirdCtaFits<kBM, kGroupSteps>) {
+    return k / kW8Chunk <= kW8ThirdCtaMaxChunks ? 3 : 2;
+  } else {
+    return 2;
+  }
+}
+
 // Largest K: |sum of 16 q qa| <= K * 2^14 must stay below 2^31.
 constexpr int64_t kW8MaxFeatures = 65536;
 
@@ -421,11 +446,10 @@ struct W4a8GemmArgs {
 
 // kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales. kBM: tokens
 // per expert block (W8Tile).
-template <typename T, int kGroupSteps, bool kGemm1, int kBM>
-__global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps>::kThreads,
-                                  W8Tile<kBM, kGroupSteps>::kCtasPerSm)
+template <typename T, int kGroupSteps, bool kGemm1, int kBM, int kCtas>
+__global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCtas)
     W4a8WgmmaKernel(W4a8GemmArgs p) {
-  using Tile = W8Tile<kBM, kGroupSteps>;
+  using Tile = W8Tile<kBM, kGroupSteps, kCtas>;
   WaitForPriorGrids();
   AllowDependentGrids();
   const int blk = p.blk_on_x ? blockIdx.x : blockIdx.y;
@@ -635,16 +659,36 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps>::kThreads,
   }
 }
 
-template <typename T, int kGroupSteps, bool kGemm1, int kBM>
-void LaunchW4a8GemmFor(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
-  using Tile = W8Tile<kBM, kGroupSteps>;
+template <typename T, int kGroupSteps, bool kGemm1, int kBM, int kCtas>
+void LaunchW4a8Kernel(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
+  using Tile = W8Tile<kBM, kGroupSteps, kCtas>;
   // Once per instantiation and device (device_cache.cuh); a failure shows as the launch's. The
   // table is a static of this function template, so each kernel instantiation has its own.
   static SmemOptInTable opted_in;
-  (void)EnsureDynamicSmem(opted_in, W4a8WgmmaKernel<T, kGroupSteps, kGemm1, kBM>,
+  (void)EnsureDynamicSmem(opted_in, W4a8WgmmaKernel<T, kGroupSteps, kGemm1, kBM, kCtas>,
                           Tile::kSmemBytes);
-  LaunchAfterPrior(W4a8WgmmaKernel<T, kGroupSteps, kGemm1, kBM>, grid, dim3(Tile::kThreads),
-                   Tile::kSmemBytes, stream, args);
+  LaunchAfterPrior(W4a8WgmmaKernel<T, kGroupSteps, kGemm1, kBM, kCtas>, grid,
+                   dim3(Tile::kThreads), Tile::kSmemBytes, stream, args);
+}
+
+template <typename T, int kGroupSteps, bool kGemm1, int kBM>
+void LaunchW4a8GemmFor(const W4a8GemmArgs& args, dim3 grid, cudaStream_t stream) {
+  switch (W8CtasPerSm<kBM, kGroupSteps>(args.k)) {
+    case 1:
+      if constexpr (kBM == 128) {
+        LaunchW4a8Kernel<T, kGroupSteps, kGemm1, kBM, 1>(args, grid, stream);
+      }
+      break;
+    case 3:
+      if constexpr (kW8ThirdCtaFits<kBM, kGroupSteps>) {
+        LaunchW4a8Kernel<T, kGroupSteps, kGemm1, kBM, 3>(args, grid, stream);
+      }
+      break;
+    default:
+      if constexpr (kBM != 128) {
+        LaunchW4a8Kernel<T, kGroupSteps, kGemm1, kBM, 2>(args, grid, stream);
+      }
+  }
 }
 
 template <typename T, bool kGemm1, int kBM>
