@@ -87,6 +87,34 @@ def _check_splits(case, split13, split2):
             f"this GPU ({_gpu_launch.num_sms()} SMs): {case} misses that path", flush=True)
 
 
+def _top_k_routing(rng, t, e, k, foreign_ids):
+  """(ids int32 [t, k], weights f32 [t, k]): top-k of random logits, renormalised; with
+  foreign_ids, every other token's last slot names another rank's expert and token 1's first slot
+  is -1 (both contribute nothing)."""
+  logits = rng.normal(size=(t, e)).astype(np.float32)
+  ids = np.argsort(-logits, axis=-1)[:, :k].astype(np.int32)
+  w = np.take_along_axis(np.exp(logits), ids, -1)
+  w = (w / w.sum(-1, keepdims=True)).astype(np.float32)
+  if foreign_ids:
+    ids[::2, -1] = e + 3
+    if t > 1:
+      ids[1, 0] = -1
+  return ids, w
+
+
+def _check_written(out):
+  if not np.isfinite(out).all():
+    raise AssertionError(f"{np.size(out) - np.isfinite(out).sum()} output elements unwritten "
+                         "(NaN poison left) or not finite")
+
+
+def _check_close(what, out, want) -> str:
+  err = _rel(out, want)
+  if err > TOL:
+    raise AssertionError(f"rel. Frobenius error {err:.3e} > {TOL}")
+  return f"{what} err={err:.1e}"
+
+
 # ------------------------------------------------------------------ WNA16
 @dataclasses.dataclass(frozen=True)
 class Wna16Case:
@@ -160,14 +188,7 @@ def run_wna16(c: Wna16Case, check: bool) -> str:
     what = f"batched E={c.e} M={c.t}"
   else:
     x = rng.normal(size=(c.t, c.h)).astype(np.float32).astype(dtype)
-    logits = rng.normal(size=(c.t, c.e)).astype(np.float32)
-    ids = np.argsort(-logits, axis=-1)[:, :c.k].astype(np.int32)
-    w = np.take_along_axis(np.exp(logits), ids, -1)
-    w = (w / w.sum(-1, keepdims=True)).astype(np.float32)
-    if c.foreign_ids:
-      ids[::2, -1] = c.e + 3  # another rank's expert
-      if c.t > 1:
-        ids[1, 0] = -1
+    ids, w = _top_k_routing(rng, c.t, c.e, c.k, c.foreign_ids)
     poison = np.full(x.shape, np.nan, dtype)
     rows = c.t * c.k
     block_m, loop = _gpu_launch.choose_launch("wna16", rows / max(1, min(c.e, rows)), c.block_m,
@@ -182,9 +203,7 @@ def run_wna16(c: Wna16Case, check: bool) -> str:
               jax.device_put(poison, gpu))
     what = f"T={c.t} block_m={block_m} split=({split13}, {split2})"
   out = np.asarray(jax.device_get(out).astype(np.float32))
-  if not np.isfinite(out).all():
-    raise AssertionError(f"{np.size(out) - np.isfinite(out).sum()} output elements unwritten "
-                         "(NaN poison left) or not finite")
+  _check_written(out)
   if not check:
     return what
   to_cpu = lambda d: {n: None if v is None else jax.device_put(v, CPU) for n, v in d.items()}
@@ -211,10 +230,7 @@ def run_wna16(c: Wna16Case, check: bool) -> str:
     ref = jax.jit(lambda x, ids, w: reference.fused_moe_wna16(
         x, ids, w, r13["q"], r13["scale"], r2["q"], r2["scale"], c.group, **common))
     want = np.asarray(_on_cpu(ref, x, ids, w)).astype(np.float32)
-  err = _rel(out, want)
-  if err > TOL:
-    raise AssertionError(f"rel. Frobenius error {err:.3e} > {TOL}")
-  return f"{what} err={err:.1e}"
+  return _check_close(what, out, want)
 
 
 # ------------------------------------------------------------------ MxInt4
@@ -282,19 +298,14 @@ def run_mxint4(c: MxInt4Case, check: bool) -> str:
             *args)
   out = np.asarray(jax.device_get(out).astype(np.float32))
   what = f"T={c.t} {RM(c.method).name} block_m={block_m} split=({split13}, {split2})"
-  if not np.isfinite(out).all():
-    raise AssertionError(f"{np.size(out) - np.isfinite(out).sum()} output elements unwritten "
-                         "(NaN poison left) or not finite")
+  _check_written(out)
   if not check:
     return what
   want = np.asarray(_on_cpu(
       reference.fused_moe_mxint4, x, logits, q13, s13, q2, s2, top_k=c.k,
       routing_method=c.method, local_expert_offset=c.ep_rank * local, local_num_experts=local,
       **kw)).astype(np.float32)
-  err = _rel(out, want)
-  if err > TOL:
-    raise AssertionError(f"rel. Frobenius error {err:.3e} > {TOL}")
-  return f"{what} err={err:.1e}"
+  return _check_close(what, out, want)
 
 
 # ------------------------------------------------------------------ W4A8
@@ -329,13 +340,7 @@ def run_w4a8(c: W4a8Case, check: bool) -> str:
   weights = jax.device_put(_on_cpu(w4a8_gpu.convert_to_w4a8_gpu_format, q13, q2, s13, s2,
                                    c.group, b13, b2), _gpu())
   x = rng.normal(size=(c.t, c.h)).astype(np.float32).astype(dtype)
-  logits = rng.normal(size=(c.t, c.e)).astype(np.float32)
-  ids = np.argsort(-logits, axis=-1)[:, :c.k].astype(np.int32)
-  w = np.take_along_axis(np.exp(logits), ids, -1)
-  w = (w / w.sum(-1, keepdims=True)).astype(np.float32)
-  if c.foreign_ids:
-    ids[::2, -1] = c.e + 3
-    ids[1, 0] = -1
+  ids, w = _top_k_routing(rng, c.t, c.e, c.k, c.foreign_ids)
   block_m = _gpu_launch.choose_w4a8_block_m(c.t * c.k / c.e, c.block_m)
   gpu = _gpu()
   run = jax.jit(lambda x, w, i, o: w4a8_gpu.w4a8_gpu_moe(
@@ -345,9 +350,7 @@ def run_w4a8(c: W4a8Case, check: bool) -> str:
             jax.device_put(np.full(x.shape, np.nan, dtype), gpu))
   out = np.asarray(jax.device_get(out).astype(np.float32))
   what = f"T={c.t} block_m={block_m} group={c.group}"
-  if not np.isfinite(out).all():
-    raise AssertionError(f"{np.size(out) - np.isfinite(out).sum()} output elements unwritten "
-                         "(NaN poison left) or not finite")
+  _check_written(out)
   if not check:
     return what
   # Under jit (ids are data: ids outside [0, E) contribute nothing), the weights as arguments.
@@ -355,10 +358,7 @@ def run_w4a8(c: W4a8Case, check: bool) -> str:
       x, ids, w, q13, s13, q2, s2, c.group, w13_bias=b13, w2_bias=b2,
       apply_router_weight_on_input=c.on_input, activation_kind=c.activation))
   want = np.asarray(_on_cpu(ref, x, ids, w, q13, s13, q2, s2, b13, b2)).astype(np.float32)
-  err = _rel(out, want)
-  if err > TOL:
-    raise AssertionError(f"rel. Frobenius error {err:.3e} > {TOL}")
-  return f"{what} err={err:.1e}"
+  return _check_close(what, out, want)
 
 
 # ------------------------------------------------------------------ the variants
