@@ -445,7 +445,7 @@ struct W4a8GemmArgs {
 };
 
 // kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales. kBM: tokens
-// per expert block (W8Tile).
+// per expert block; kCtas: CTAs per SM (W8Tile, W8CtasPerSm).
 template <typename T, int kGroupSteps, bool kGemm1, int kBM, int kCtas>
 __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCtas)
     W4a8WgmmaKernel(W4a8GemmArgs p) {
@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCt
 
   for (int c = 0; c < chunks; ++c) {
     CpAsyncWait<Tile::kAhead - 1>();  // this thread's pieces of chunk c have landed
-    FenceProxyAsync();            // ... and are visible to the tensor cores
+    FenceProxyAsync();                 // ... and are visible to the tensor cores
     __syncthreads();  // every thread's pieces landed; chunk c - 2's MMAs are done everywhere
     if (c + Tile::kAhead < chunks) issue(c + Tile::kAhead, write_stage);
     CpAsyncCommit();
