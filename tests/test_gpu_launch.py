@@ -401,3 +401,11 @@ def test_w4a8_token_tile_holds_the_expected_pairs():
   assert launch.choose_w4a8_block_m(3.0, 128) == 128  # an explicit choice stands
   with pytest.raises(ValueError, match="block_m must be one of"):
     launch.choose_w4a8_block_m(3.0, 8)
+
+
+def test_max_padded_rows_bounds_the_alignment():
+  # Each expert hit may leave block_m - 1 rows of padding; at least one block.
+  assert launch.max_padded_rows(1, 8, 32) == 32
+  assert launch.max_padded_rows(10, 4, 8) == 40  # 10 + 4 * 7 = 38, rounded up to blocks of 8
+  assert launch.max_padded_rows(0, 8, 16) == 16
+  assert launch.max_padded_rows(1000, 8, 128) == 2048  # 1000 + 8 * 127 = 2016

@@ -10,8 +10,9 @@
 // before it may touch only the op's constant inputs. A kernel whose whole work is such (it reads
 // only the op's inputs and writes what no earlier kernel of the op touches) may call it last
 // instead, in every thread and on every path, so that its completion still implies the earlier
-// kernels' (the next kernel waits only for it): it then runs beside the kernel before it. AllowDependentGrids right after the wait: the
-// next kernel's CTAs then take SM slots as this kernel's CTAs retire. (An L2 prefetch of GEMM2's
+// kernels' (the next kernel waits only for it): it then runs beside the kernel before it.
+// AllowDependentGrids right after the wait: the next kernel's CTAs then take SM slots as this
+// kernel's CTAs retire. (An L2 prefetch of GEMM2's
 // first weight chunks before its wait was tried and gained nothing measurable: not kept.)
 // Both device calls are no-ops on a kernel launched the ordinary way.
 #pragma once

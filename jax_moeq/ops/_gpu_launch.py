@@ -141,7 +141,8 @@ def choose_block_m(pairs_per_expert: float) -> int:
 
 
 # The GPU W4A8 GEMM's token tiles (csrc/cuda/w4a8_moe.cu, W8Tile): 32 and 64 tokens (two
-# warpgroups, two CTAs per SM) and 128 (four warpgroups, one CTA per SM). The 32-token tile up to
+# warpgroups, two CTAs per SM; three for the 32-token tile at K <= 2048) and 128 (four warpgroups,
+# one CTA per SM). The 32-token tile up to
 # W4A8_TILE32_MAX_PAIRS expected pairs per expert, the 64-token tile beyond: two CTAs of 64 tokens
 # beat one of 128 even at T = 4096, each CTA's group promotions and barriers running while the
 # other's MMAs do. H100, 2026-11-27, us per layer (8 layers per jit, benchmarks/w4a8_gpu_bench.py
@@ -153,6 +154,14 @@ def choose_block_m(pairs_per_expert: float) -> int:
 #     / 1201.
 W4A8_BLOCK_MS = (32, 64, 128)
 W4A8_TILE32_MAX_PAIRS = 24
+
+
+def max_padded_rows(pairs: int, experts: int, block_m: int) -> int:
+  """Rows of the alignment's sorted_ids for `pairs` (token, slot) pairs over `experts` experts in
+  blocks of block_m: every expert hit may leave block_m - 1 rows of padding (the alignment kernel's
+  bound, as csrc W4a8MoeMaxPadded / the WNA16 and MxInt4 launchers); at least one block."""
+  padded = pairs + min(pairs, experts) * (block_m - 1)
+  return max(block_m, -(-padded // block_m) * block_m)
 
 
 def choose_w4a8_block_m(pairs_per_expert: float, block_m: int | None = None) -> int:

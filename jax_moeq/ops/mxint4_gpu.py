@@ -219,11 +219,6 @@ def unpack_mxint4_moe_weights(prepared: dict[str, Array]) -> tuple[Array, Array,
 
 
 # ------------------------------------------------------------------ the op
-def _max_padded(pairs: int, local_experts: int, block_m: int) -> int:
-  padded = pairs + min(pairs, local_experts) * (block_m - 1)
-  return max(block_m, -(-padded // block_m) * block_m)
-
-
 def _check_packed(name: str, a, shape: tuple[int, ...], dtype) -> None:
   if jnp.dtype(a.dtype) != jnp.dtype(dtype):
     raise TypeError(f"{name} must be {jnp.dtype(dtype).name} (prepare_static_weights_for_"
@@ -355,7 +350,7 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
   block_m, mainloop_id = _gpu_launch.choose_launch(
       "mxint4", local_pairs / max(1.0, min(el, local_pairs)), block_m, mainloop)
   wgmma = _gpu_launch.uses_wgmma(block_m, mainloop_id)
-  padded = _max_padded(pairs, el, block_m)
+  padded = _gpu_launch.max_padded_rows(pairs, el, block_m)
   blocks = padded // block_m
   busy = min(blocks, _gpu_launch.expected_busy_blocks(local_pairs, el, block_m))
   split13, split2 = _gpu_launch.choose_gemm_splits(busy, h, i, block_m, pairs, mainloop_id)

@@ -191,11 +191,6 @@ def w4a8_gpu_available() -> bool:
 
 
 # ------------------------------------------------------------------ the op
-def _max_padded(pairs: int, experts: int, block_m: int) -> int:
-  padded = pairs + min(pairs, experts) * (block_m - 1)
-  return max(block_m, -(-padded // block_m) * block_m)
-
-
 def _validate(x, weights, topk_weights, topk_ids, activation_kind):
   if not isinstance(weights, W4a8GpuWeights):
     raise TypeError("weights must be W4a8GpuWeights (convert_to_w4a8_gpu_format)")
@@ -251,7 +246,7 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
   rows = t * k
   in_rows = rows if apply_router_weight_on_input else t
   block_m = _gpu_launch.choose_w4a8_block_m(rows / max(e, 1), block_m)
-  padded = _max_padded(rows, e, block_m)
+  padded = _gpu_launch.max_padded_rows(rows, e, block_m)
   dt = x.dtype
   r1 = max(rows, 1)
   results = [

@@ -305,9 +305,8 @@ def pack_wna16_from_int4(w13: Array, w2: Array, w13_scale: Array, w2_scale: Arra
 # ------------------------------------------------------------------ the op
 def _max_padded(rows: int, experts: int, block_m: int, batched: bool, max_tokens: int) -> int:
   if batched:
-    return experts * (-(-max_tokens // block_m)) * block_m
-  padded = rows + min(rows, experts) * (block_m - 1)
-  return -(-padded // block_m) * block_m
+    return max(block_m, experts * (-(-max_tokens // block_m)) * block_m)
+  return _gpu_launch.max_padded_rows(rows, experts, block_m)
 
 
 def _check_x_dtype(x: Array, weights: Wna16MoeWeights) -> Wna16MoeWeights:
@@ -338,7 +337,7 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
   wgmma = _gpu_launch.uses_wgmma(block_m, mainloop_id)
   from jax_moeq import _ffi
   _ffi.cuda_library()
-  padded = max(block_m, _max_padded(rows, e, block_m, batched, max_tokens))
+  padded = _max_padded(rows, e, block_m, batched, max_tokens)
   blocks = padded // block_m
   busy_blocks = (blocks if batched else
                  min(blocks, _gpu_launch.expected_busy_blocks(rows, e, block_m)))
