@@ -5,10 +5,9 @@ Per (shape, T): median time per layer of 8 layers (each with its own random weig
 in one jitted executable, for the W4A8 op (`ops.w4a8_gpu.w4a8_gpu_moe`) and the WNA16 op
 (`ops.wna16_gpu.fused_marlin_moe`, its default launch choices), and TFLOP/s (2·T·K·3·H·I; int8
 operations for W4A8). `--block-ms 128,64,32` adds the W4A8 op at each forced token tile
-(`w4a8_bm128`, ...) beside its automatic choice, in the same run; `--act-quant` adds it with the
-activation rows quantized in GEMM1's tail (`w4a8_tail`) and by their own kernel (`w4a8_kernel`).
-Run: python3 benchmarks/w4a8_gpu_bench.py [--shapes A,B] [--tokens 1,16] [--block-ms 128,64,32]
-[--act-quant] [--json PATH]
+(`w4a8_bm128`, ...) beside its automatic choice, in the same run. Run:
+python3 benchmarks/w4a8_gpu_bench.py [--shapes A,B] [--tokens 1,16] [--block-ms 128,64,32]
+[--json PATH]
 """
 
 from __future__ import annotations
@@ -49,12 +48,8 @@ def main():
   ap = gb.peer_argument_parser()
   ap.add_argument("--block-ms", default="",
                   help="also time W4A8 at these forced block_m values (comma-separated)")
-  ap.add_argument("--act-quant", action="store_true",
-                  help="also time W4A8 with the activation quantized in GEMM1's tail and by its "
-                       "own kernel")
   args = ap.parse_args()
   block_ms = [int(v) for v in args.block_ms.split(",") if v]
-  fuse_ways = [("tail", True), ("kernel", False)] if args.act_quant else []
   info = _timing.machine_info()
   machine = _timing.machine_line(info)
   print(f"device: {machine}", flush=True)
@@ -66,10 +61,7 @@ def main():
         lambda x, wts, ids, w: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids))] +
       [(f"w4a8_bm{bm}", random_w4a8_weights,
         lambda x, wts, ids, w, bm=bm: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids, block_m=bm))
-       for bm in block_ms] +
-      [(f"w4a8_{name}", random_w4a8_weights,
-        lambda x, wts, ids, w, f=fuse: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids, fuse_act_quant=f))
-       for name, fuse in fuse_ways])
+       for bm in block_ms])
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=info["device"], machine=info, rows=rows), f, indent=1)
@@ -79,9 +71,6 @@ def main():
   for bm in block_ms:
     print(f"\nW4A8 at block_m {bm} beside the automatic choice")
     gb.print_peer_table(rows, (f"w4a8_bm{bm}", "w4a8"))
-  if fuse_ways:
-    print("\nW4A8 with the activation quantized in GEMM1's tail against its own kernel")
-    gb.print_peer_table(rows, ("w4a8_tail", "w4a8_kernel"))
 
 
 if __name__ == "__main__":

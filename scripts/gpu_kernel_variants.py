@@ -11,8 +11,7 @@ routing method at several tokens, DeepSeekV3 routing with groups and the correct
 token (both one-token forms) and many, expert parallelism (a rank's local experts), split-K, and
 the wgmma prefill. W4A8 (`w4a8_gpu_moe`): every token tile (block_m 32 at short and long K, 64,
 128) with group scales and channel-wise ones, biases, the router weight on the input and ids
-outside [0, E); the activation rows quantized in GEMM1's tail (the choice at these sizes) and by
-their own kernel.
+outside [0, E).
 
 Inputs are made with numpy and the weights packed on the CPU backend, references computed there
 too, so the GPU runs (almost) only our kernels. Every call writes into a NaN-poisoned output
@@ -324,7 +323,6 @@ class W4a8Case:
   activation: int = 0
   block_m: int | None = None
   foreign_ids: bool = False
-  fuse_act_quant: bool | None = None  # None: the op's choice (GEMM1's tail at these sizes)
 
 
 def run_w4a8(c: W4a8Case, check: bool) -> str:
@@ -347,7 +345,7 @@ def run_w4a8(c: W4a8Case, check: bool) -> str:
   gpu = _gpu()
   run = jax.jit(lambda x, w, i, o: w4a8_gpu.w4a8_gpu_moe(
       x, weights, w, i, activation_kind=c.activation, apply_router_weight_on_input=c.on_input,
-      block_m=c.block_m, fuse_act_quant=c.fuse_act_quant, out_init=o))
+      block_m=c.block_m, out_init=o))
   out = run(jax.device_put(x, gpu), jax.device_put(w, gpu), jax.device_put(ids, gpu),
             jax.device_put(np.full(x.shape, np.nan, dtype), gpu))
   out = np.asarray(jax.device_get(out).astype(np.float32))
@@ -445,7 +443,6 @@ VARIANTS = {
     "w4a8_bm64_channel": W4a8Case(t=70, e=4, h=384, block_m=64, group=-1, activation=1),
     "w4a8_bm64_f32": W4a8Case(t=40, e=4, block_m=64, group=64, dtype="float32", bias=True),
     "w4a8_bm128": W4a8Case(t=300, e=4, block_m=128, group=128, bias=True),
-    "w4a8_bm32_quant_kernel": W4a8Case(t=5, group=64, block_m=32, fuse_act_quant=False),
 }
 
 

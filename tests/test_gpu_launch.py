@@ -393,17 +393,6 @@ def test_deterministic_mode_reaches_the_wna16_call(monkeypatch):
   assert splits() == (1, 1)
 
 
-def test_w4a8_tail_quantizes_where_a_blocks_rows_are_short():
-  # Qwen3-30B-A3B (I = 768, bf16): GEMM1 quantizes its rows at T = 1..1024 (32- and 64-token
-  # tiles); Mixtral-8x7B (I = 14336) only where a block holds one or two pairs.
-  choose = launch.choose_w4a8_tail_quant
-  assert choose(0.06, 32, 768, 2) and choose(16.0, 32, 768, 2) and choose(64.0, 64, 768, 2)
-  assert choose(0.25, 32, 14336, 2)
-  assert not choose(16.0, 32, 14336, 2) and not choose(256.0, 64, 14336, 2)
-  assert not choose(1024.0, 128, 4096, 4)
-  assert choose(256.0, 64, 14336, 2, True) and not choose(0.1, 32, 768, 2, False)  # as asked
-
-
 def test_w4a8_token_tile_holds_the_expected_pairs():
   assert launch.choose_w4a8_block_m(0.1) == 32
   assert launch.choose_w4a8_block_m(launch.W4A8_TILE32_MAX_PAIRS) == 32

@@ -37,10 +37,9 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
                        ffi::Result<ffi::AnyBuffer> qx, ffi::Result<ffi::AnyBuffer> x_params,
                        ffi::Result<ffi::AnyBuffer> act, ffi::Result<ffi::AnyBuffer> qact,
                        ffi::Result<ffi::AnyBuffer> act_params, ffi::Result<ffi::AnyBuffer> ws2,
-                       ffi::Result<ffi::AnyBuffer> block_done, int64_t hidden_size,
-                       int64_t intermediate_size, int64_t groups13, int64_t groups2,
-                       int64_t activation_kind, bool has_bias, bool apply_router_weight_on_input,
-                       int64_t block_m, bool fuse_act_quant) {
+                       int64_t hidden_size, int64_t intermediate_size, int64_t groups13,
+                       int64_t groups2, int64_t activation_kind, bool has_bias,
+                       bool apply_router_weight_on_input, int64_t block_m) {
   JAX_MOEQ_RETURN_IF_ERROR(
       kMoeChecks.IntAttrs({{"activation_kind", activation_kind}, {"block_m", block_m}}));
   cuda::W4a8MoeProblem p;
@@ -63,7 +62,6 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.has_bias = has_bias;
   p.weight_on_input = apply_router_weight_on_input;
   p.block_m = block_m;
-  p.fuse_act_quant = fuse_act_quant;
   JAX_MOEQ_RETURN_IF_ERROR(kMoeChecks.InvalidUnlessEmpty(cuda::ValidateW4a8MoeProblem(p)));
   const int64_t E = p.experts;
   JAX_MOEQ_RETURN_IF_ERROR(
@@ -112,10 +110,6 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   if (!at_least(ws2, rows * H, x.element_type())) {
     return kMoeChecks.Invalid("ws2 scratch must hold T * K * H elements of x's dtype");
   }
-  if (!at_least(block_done, cuda::W4a8MoeMaxBlocks(p), ffi::S32)) {
-    return kMoeChecks.Invalid("block_done scratch must hold " +
-                              std::to_string(cuda::W4a8MoeMaxBlocks(p)) + " int32");
-  }
 
   p.x = x.untyped_data();
   p.topk_ids = static_cast<const int32_t*>(topk_ids.untyped_data());
@@ -138,7 +132,6 @@ ffi::Error W4a8MoeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer top
   p.qact = static_cast<int8_t*>(qact->untyped_data());
   p.act_params = static_cast<float*>(act_params->untyped_data());
   p.ws2 = ws2->untyped_data();
-  p.block_done = static_cast<int32_t*>(block_done->untyped_data());
   return kMoeChecks.InternalUnlessEmpty(cuda::RunW4a8Moe(p, stream));
 }
 
@@ -173,8 +166,8 @@ auto BindArgs() { return AddInputs<11>(BindStream()); }
 template <typename Binding>
 auto BindResultsAndAttrs(Binding binding) {
   // Results, in order: out, sorted_ids, expert_ids, num_post_padded, qx, x_params, act, qact,
-  // act_params, ws2, block_done.
-  return AddResults<11>(std::move(binding))
+  // act_params, ws2.
+  return AddResults<10>(std::move(binding))
       .template Attr<int64_t>("hidden_size")
       .template Attr<int64_t>("intermediate_size")
       .template Attr<int64_t>("groups13")
@@ -182,8 +175,7 @@ auto BindResultsAndAttrs(Binding binding) {
       .template Attr<int64_t>("activation_kind")
       .template Attr<bool>("has_bias")
       .template Attr<bool>("apply_router_weight_on_input")
-      .template Attr<int64_t>("block_m")
-      .template Attr<bool>("fuse_act_quant");
+      .template Attr<int64_t>("block_m");
 }
 
 }  // namespace

@@ -72,7 +72,7 @@ struct W8Tile {
   static constexpr int kScaleSlot = 8 * kGroupsPerChunk;  // bytes of scale pairs per lane
   static constexpr int kStageTokens = kBM * kW8Chunk;
   static constexpr int kStageBytes = kStageTokens + kW8StageWeights + 256 * kScaleSlot;
-  static constexpr int kStaticSmem = kBM * 20 + 16;  // tok_id, tok_param, tok_range, flags
+  static constexpr int kStaticSmem = kBM * 12;  // tok_id, tok_param
   static constexpr int StagesAt(int ctas) {
     return std::min(kW8MaxStages, (kW8SmemPerSm / ctas - 1024 - kStaticSmem - 1024) / kStageBytes);
   }
@@ -83,7 +83,6 @@ struct W8Tile {
   static constexpr int kTileStride = kBM + 4;  // floats per row of the epilogue's staged tile
   static constexpr int kRowsPerPass = kThreads / 8;  // token rows one pass of 16-byte pieces covers
   static constexpr int kPieces = kBM / kRowsPerPass;
-  static_assert(kThreads % kBM == 0, "an epilogue thread keeps one token column");
   static_assert(kStageBytes % 1024 == 0, "token tiles must stay 1024-byte aligned");
   static_assert(kStages >= 4, "a ring of at least four stages");
   static_assert(128 * kTileStride * 4 <= kStages * kStageBytes, "the tile fits the stages");
@@ -267,22 +266,6 @@ struct RowRange {
   }
 };
 
-// Words a quantizer launch zeroes with all its threads: GEMM1's per-row ranges and per-block
-// counters when it quantizes the activation rows itself.
-struct ZeroedWords {
-  uint32_t* a = nullptr;
-  int64_t count_a = 0;
-  uint32_t* b = nullptr;
-  int64_t count_b = 0;
-};
-
-__device__ __forceinline__ void ZeroWords(const ZeroedWords& z) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < z.count_a; i += stride) z.a[i] = 0;
-  for (int64_t i = first; i < z.count_b; i += stride) z.b[i] = 0;
-}
-
 // Where the quantizers wait for the op's previous kernel (dependent_launch.cuh). kBeforeWork: the
 // rule's place, first. kAfterWork: x's quantizer, which reads only the op's inputs and writes rows
 // no earlier kernel of the op touches, runs beside the alignment and waits for it last, in every
@@ -337,10 +320,9 @@ template <typename T>
 __global__ void __launch_bounds__(kQuantThreads)
     W4a8QuantizeRowsKernel(const T* x, int in_div, const float* row_weights,
                            const int32_t* row_experts, int experts, int cols, int rows, int8_t* q,
-                           float2* params, QuantWait wait, ZeroedWords zero) {
+                           float2* params, QuantWait wait) {
   if (wait == QuantWait::kBeforeWork) WaitForPriorGrids();
   AllowDependentGrids();
-  ZeroWords(zero);
   QuantizeRowCta<T>(x, in_div, row_weights, row_experts, experts, cols, rows, q, params);
   if (wait == QuantWait::kAfterWork) WaitForPriorGrids();
 }
@@ -362,28 +344,6 @@ __device__ __forceinline__ void UnpackVec(const uint4& raw, float (&v)[16 / size
     const T* h = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = ToFloat(h[i]);
-  }
-}
-
-// The int8 values of a 16-byte piece v of a row, packed four to a word in input order.
-template <int kVec>
-__device__ __forceinline__ void PackQuantized(const float (&v)[kVec], const RowQuant& rq,
-                                              uint32_t (&packed)[kVec / 4]) {
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) {
-    const int qa = rq.live ? QuantizeValue(v[i], rq) : 0;
-    if (i % 4 == 0) packed[i / 4] = 0;
-    packed[i / 4] |= (static_cast<uint32_t>(qa) & 0xFFu) << (8 * (i % 4));
-  }
-}
-
-template <int kVec>
-__device__ __forceinline__ void StorePacked(int8_t* dst, int64_t piece,
-                                            const uint32_t (&packed)[kVec / 4]) {
-  if constexpr (kVec == 8) {
-    reinterpret_cast<uint2*>(dst)[piece] = make_uint2(packed[0], packed[1]);
-  } else {
-    reinterpret_cast<uint32_t*>(dst)[piece] = packed[0];
   }
 }
 
@@ -416,11 +376,19 @@ __device__ __forceinline__ void QuantizeRowWarp(const T* x, int in_div, const fl
   for (int j = lane; j < vecs; j += 32) {
     float v[kVec];
     UnpackVec<T>(__ldg(src + j), v);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = WeightedInput<T>(v[i], weighted, w);
     uint32_t packed[kVec / 4];
-    PackQuantized<kVec>(v, rq, packed);
-    StorePacked<kVec>(dst, j, packed);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      int qa = 0;
+      if (rq.live) qa = QuantizeValue(WeightedInput<T>(v[i], weighted, w), rq);
+      if (i % 4 == 0) packed[i / 4] = 0;
+      packed[i / 4] |= (static_cast<uint32_t>(qa) & 0xFFu) << (8 * (i % 4));
+    }
+    if constexpr (kVec == 8) {
+      reinterpret_cast<uint2*>(dst)[j] = make_uint2(packed[0], packed[1]);
+    } else {
+      reinterpret_cast<uint32_t*>(dst)[j] = packed[0];
+    }
   }
   if (lane == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
@@ -429,32 +397,30 @@ template <typename T>
 __global__ void __launch_bounds__(kQuantWarpsPerCta * 32)
     W4a8QuantizeRowsWarpKernel(const T* x, int in_div, const float* row_weights,
                                const int32_t* row_experts, int experts, int cols, int rows,
-                               int8_t* q, float2* params, QuantWait wait, ZeroedWords zero) {
+                               int8_t* q, float2* params, QuantWait wait) {
   if (wait == QuantWait::kBeforeWork) WaitForPriorGrids();
   AllowDependentGrids();
-  ZeroWords(zero);
   QuantizeRowWarp<T>(x, in_div, row_weights, row_experts, experts, cols, rows, q, params);
   if (wait == QuantWait::kAfterWork) WaitForPriorGrids();
 }
 
-// Launches the warp-per-row form where it applies, else the CTA-per-row one. Its threads also
-// zero the words of `zero`.
+// Launches the warp-per-row form where it applies, else the CTA-per-row one.
 template <typename T>
 void LaunchQuantizeRows(const T* x, int in_div, const float* row_weights,
                         const int32_t* row_experts, int experts, int cols, int rows, int8_t* q,
                         float2* params, cudaStream_t stream,
-                        QuantWait wait = QuantWait::kBeforeWork, ZeroedWords zero = {}) {
+                        QuantWait wait = QuantWait::kBeforeWork) {
   constexpr int kVec = 16 / sizeof(T);
   if (cols % kVec == 0 && cols <= kQuantWarpMaxCols &&
       reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
     const unsigned ctas = static_cast<unsigned>((rows + kQuantWarpsPerCta - 1) / kQuantWarpsPerCta);
     LaunchAfterPrior(W4a8QuantizeRowsWarpKernel<T>, dim3(ctas), dim3(kQuantWarpsPerCta * 32), 0,
                      stream, x, in_div, row_weights, row_experts, experts, cols, rows, q, params,
-                     wait, zero);
+                     wait);
   } else {
     LaunchAfterPrior(W4a8QuantizeRowsKernel<T>, dim3(static_cast<unsigned>(rows)),
                      dim3(kQuantThreads), 0, stream, x, in_div, row_weights, row_experts, experts,
-                     cols, rows, q, params, wait, zero);
+                     cols, rows, q, params, wait);
   }
 }
 
@@ -476,86 +442,7 @@ struct W4a8GemmArgs {
   int activation = 0;
   void* act = nullptr;             // GEMM1: [rows][n / 2] in T
   void* ws = nullptr;              // GEMM2: [rows][n] in T, rounded (the reference rounds y2)
-  // GEMM1 quantizing the activation rows itself (W4a8TailQuantize) when qact is set: act_params
-  // holds each row's range while the CTAs run (zeroed before) and its (scale, zero point) after.
-  int8_t* qact = nullptr;          // [rows][n / 2]
-  float* act_params = nullptr;     // [rows][2]
-  int32_t* block_done = nullptr;   // [expert blocks], zeroed before
 };
-
-// A row's range as two words that only grow (atomicMax): the bits of max(0, -min) and of
-// max(0, max) (non-negative floats order as their bits), the second all ones once the row holds
-// a non-finite value. Zero words are the empty range, SPEC §3's start (rmin = rmax = 0).
-constexpr uint32_t kRangeNonFinite = 0xFFFFFFFFu;
-
-__device__ __forceinline__ void RangeAdd(uint2& words, float v) {
-  if (!isfinite(v)) {
-    words.y = kRangeNonFinite;
-  } else if (v < 0.0f) {
-    words.x = max(words.x, __float_as_uint(-v));
-  } else if (v > 0.0f) {  // not -0.0, whose bits are not those of a non-negative float
-    words.y = max(words.y, __float_as_uint(v));
-  }
-}
-
-__device__ __forceinline__ RowQuant RowQuantFromWords(uint2 words) {
-  return RowQuantFromRange(-__uint_as_float(words.x), __uint_as_float(words.y),
-                           words.y == kRangeNonFinite);
-}
-
-// The last of an expert block's GEMM1 CTAs quantizes the block's activation rows (SPEC §3 from
-// the ranges every CTA added), as W4a8QuantizeRowsWarpKernel would: the rows were written by the
-// other CTAs during this kernel, so they are read through L2 (ld.global.cg), after the counter's
-// acquire. A block's pairs come first and its padding after (the alignment), so its rows with an
-// id are [0, valid).
-template <typename T, int kBM, int kThreads>
-__device__ __forceinline__ void W4a8TailQuantize(const W4a8GemmArgs& p, const int* tok_id,
-                                                 float2* row_quant, int valid) {
-  constexpr int kVec = 16 / sizeof(T);
-  const int tid = threadIdx.x;
-  const int cols = p.n / 2, vecs = cols / kVec;
-  if (tid < valid) {
-    const int id = tok_id[tid];
-    float2* params = reinterpret_cast<float2*>(p.act_params) + id;
-    const uint2 words = __ldcg(reinterpret_cast<const uint2*>(params));
-    const RowQuant rq = RowQuantFromWords(words);
-    *params = make_float2(rq.scale, static_cast<float>(rq.zp));
-    // inv > 0 exactly for live rows (RowQuantFromRange); 0 marks a row of zeros.
-    row_quant[tid] = make_float2(rq.live ? rq.inv : 0.0f, static_cast<float>(rq.zp));
-  }
-  __syncthreads();
-  const int total = valid * vecs;
-  constexpr int kUnroll = 4;
-  for (int f0 = tid; f0 < total; f0 += kUnroll * kThreads) {
-    uint4 raw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int f = f0 + u * kThreads;
-      if (f < total) {
-        const int id = tok_id[f / vecs];
-        raw[u] = __ldcg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.act) +
-                                                       static_cast<int64_t>(id) * cols) +
-                        f % vecs);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int f = f0 + u * kThreads;
-      if (f >= total) continue;
-      const int r = f / vecs;
-      const float2 rqp = row_quant[r];
-      RowQuant rq;
-      rq.inv = rqp.x;
-      rq.zp = static_cast<int>(rqp.y);
-      rq.live = rqp.x > 0.0f;
-      float v[kVec];
-      UnpackVec<T>(raw[u], v);
-      uint32_t packed[kVec / 4];
-      PackQuantized<kVec>(v, rq, packed);
-      StorePacked<kVec>(p.qact + static_cast<int64_t>(tok_id[r]) * cols, f % vecs, packed);
-    }
-  }
-}
 
 // kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales. kBM: tokens
 // per expert block; kCtas: CTAs per SM (W8Tile, W8CtasPerSm).
@@ -576,9 +463,6 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCt
   extern __shared__ __align__(1024) uint8_t w8_smem_raw[];
   __shared__ int tok_id[kBM];
   __shared__ float2 tok_param[kBM];
-  __shared__ uint2 tok_range[kBM];  // GEMM1 quantizing its rows: this CTA's range per token
-  __shared__ int valid_rows, last_cta;
-  const bool tail_quant = kGemm1 && p.qact != nullptr;
   const uint32_t smem = (SharedAddress(w8_smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -600,9 +484,7 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCt
     const int id = __ldg(p.sorted_ids + blk * kBM + tid);
     tok_id[tid] = id;
     tok_param[tid] = id < p.num_rows ? p.xparams[id / p.in_div] : make_float2(0.0f, 0.0f);
-    tok_range[tid] = make_uint2(0u, 0u);
   }
-  if (tid == 0) valid_rows = 0;
   const int chunks = p.k / kW8Chunk;
 
   // Token pieces: rows (tid / 8) + kRowsPerPass i, 16-byte piece tid % 8 (16 inputs), swizzled.
@@ -756,9 +638,6 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCt
   constexpr int kItems = kOutRows / 8 * kBM;  // (8-feature piece, token) pairs
   const int out_ld = kGemm1 ? p.n / 2 : p.n;
   const int feature0 = kOutRows * n_tile;
-  // A thread keeps one token column (kThreads % kBM == 0): its range words gather the rounded
-  // activations it stores.
-  uint2 range = make_uint2(0u, 0u);
 #pragma unroll
   for (int item = tid; item < kItems; item += Tile::kThreads) {
     const int col = item % kBM;  // a warp takes 32 tokens of one piece: no bank conflicts
@@ -772,43 +651,11 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCt
       if constexpr (kGemm1) {
         const float up = tile[(64 + row0 + f) * Tile::kTileStride + col];
         v[f] = W4a8Activation<T>(p.activation, y, up);
-        if (tail_quant) {
-          v[f] = RoundOut<T>(v[f]);  // the value stored, which is what is quantized
-          RangeAdd(range, v[f]);
-        }
       } else {
         v[f] = y;
       }
     }
     StoreOut8<T>(kGemm1 ? p.act : p.ws, static_cast<int64_t>(id) * out_ld + feature0 + row0, v);
-  }
-  if constexpr (kGemm1) {
-    if (!tail_quant) return;
-    const int col = tid % kBM;
-    if (range.x != 0u) atomicMax(&tok_range[col].x, range.x);
-    if (range.y != 0u) atomicMax(&tok_range[col].y, range.y);
-    __syncthreads();
-    if (tid < kBM) {
-      const int id = tok_id[tid];
-      if (id < p.num_rows) {
-        atomicMax(&valid_rows, tid + 1);
-        const uint2 words = tok_range[tid];
-        unsigned int* dst = reinterpret_cast<unsigned int*>(p.act_params) + 2 * id;
-        if (words.x != 0u) atomicMax(dst, words.x);
-        if (words.y != 0u) atomicMax(dst + 1, words.y);
-      }
-    }
-    // Release this CTA's act rows and ranges, count it; the block's last CTA acquires them all.
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      const int tiles = p.blk_on_x ? gridDim.y : gridDim.x;
-      last_cta = atomicAdd(p.block_done + blk, 1) == tiles - 1;
-      __threadfence();
-    }
-    __syncthreads();
-    if (!last_cta) return;
-    W4a8TailQuantize<T, kBM, Tile::kThreads>(p, tok_id, tok_param, valid_rows);
   }
 }
 
@@ -930,10 +777,6 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts), K = static_cast<int>(p.top_k);
   const int bm = static_cast<int>(p.block_m);
-  // GEMM1's tail quantizes with 16-byte loads of act and 8- or 4-byte stores of qact.
-  const bool fuse_act_quant = p.fuse_act_quant && p.block_done != nullptr &&
-                              reinterpret_cast<uintptr_t>(p.act) % 16 == 0 &&
-                              reinterpret_cast<uintptr_t>(p.qact) % 8 == 0;
 
   // 1. Token-to-expert alignment in blocks of block_m (the WNA16 launcher's; no workspace to zero:
   // nothing here splits K).
@@ -948,20 +791,12 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
 
   // 2. GEMM1's input rows in int8: per token, or per pair (x[t] * w[t][k] rounded) when the
   // router weight goes on the input. Only the op's inputs are read, so it runs beside the
-  // alignment (QuantWait::kAfterWork). When GEMM1 quantizes the activation rows, this also zeroes
-  // their range words and GEMM1's per-block counters.
-  ZeroedWords zero;
-  if (fuse_act_quant) {
-    zero.a = reinterpret_cast<uint32_t*>(p.act_params);
-    zero.count_a = 2 * rows;
-    zero.b = reinterpret_cast<uint32_t*>(p.block_done);
-    zero.count_b = max_blocks;
-  }
+  // alignment (QuantWait::kAfterWork).
   LaunchQuantizeRows<T>(static_cast<const T*>(p.x), p.weight_on_input ? K : 1,
                         p.weight_on_input ? p.topk_weights : nullptr,
                         p.weight_on_input ? p.topk_ids : nullptr, E, H,
                         static_cast<int>(in_rows), p.qx, reinterpret_cast<float2*>(p.x_params),
-                        stream, QuantWait::kAfterWork, zero);
+                        stream, QuantWait::kAfterWork);
   err = CudaError("input quantization kernel");
   if (!err.empty()) return err;
 
@@ -985,32 +820,21 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   g1.groups = static_cast<int>(p.groups13);
   g1.activation = p.activation;
   g1.act = p.act;
-  if (fuse_act_quant) {
-    g1.qact = p.qact;
-    g1.act_params = p.act_params;
-    g1.block_done = p.block_done;
-  }
   err = LaunchW4a8Gemm<T, true>(g1, bm, dim3(static_cast<unsigned>(max_blocks), I / 64), stream);
   if (!err.empty()) return err;
   err = CudaError("GEMM1 kernel");
   if (!err.empty()) return err;
 
-  // 4. The activation rows in int8 (pairs without a valid expert are skipped), unless GEMM1's
-  // tail did it.
-  if (!fuse_act_quant) {
-    LaunchQuantizeRows<T>(static_cast<const T*>(p.act), 1, nullptr, p.topk_ids, E, I,
-                          static_cast<int>(rows), p.qact, reinterpret_cast<float2*>(p.act_params),
-                          stream);
-    err = CudaError("activation quantization kernel");
-    if (!err.empty()) return err;
-  }
+  // 4. The activation rows in int8 (pairs without a valid expert are skipped).
+  LaunchQuantizeRows<T>(static_cast<const T*>(p.act), 1, nullptr, p.topk_ids, E, I,
+                        static_cast<int>(rows), p.qact, reinterpret_cast<float2*>(p.act_params),
+                        stream);
+  err = CudaError("activation quantization kernel");
+  if (!err.empty()) return err;
 
   // 5. GEMM2 into rows of T (bias included, rounded as the reference rounds y2); N tiles fastest so the CTAs of one token block run
   // together and read its rows once.
   W4a8GemmArgs g2 = g1;
-  g2.qact = nullptr;
-  g2.act_params = nullptr;
-  g2.block_done = nullptr;
   g2.xq = p.qact;
   g2.in_div = 1;
   g2.xparams = reinterpret_cast<const float2*>(p.act_params);

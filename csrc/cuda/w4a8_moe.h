@@ -33,9 +33,6 @@ struct W4a8MoeProblem {
   bool has_bias = false;
   bool weight_on_input = false;  // apply_router_weight_on_input
   int64_t block_m = 128;     // tokens per expert block of the GEMMs: 128, 64 or 32
-  // The activation rows' int8 quantization at GEMM1's end (each expert block's last CTA) instead
-  // of a kernel of its own; results are the same.
-  bool fuse_act_quant = false;
 
   // Inputs.
   const void* x = nullptr;               // [T, H]
@@ -60,7 +57,6 @@ struct W4a8MoeProblem {
   void* act = nullptr;                   // [R, I] in x's dtype
   int8_t* qact = nullptr;                // [R, I]
   float* act_params = nullptr;           // [R, 2]
-  int32_t* block_done = nullptr;         // [W4a8MoeMaxBlocks]: GEMM1's CTAs done per block
   void* ws2 = nullptr;                   // [R, H] in x's dtype (GEMM2's rows, rounded)
 };
 

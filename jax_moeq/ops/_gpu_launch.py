@@ -175,25 +175,6 @@ def choose_w4a8_block_m(pairs_per_expert: float, block_m: int | None = None) -> 
   return 32 if pairs_per_expert <= W4A8_TILE32_MAX_PAIRS else 64
 
 
-# The GPU W4A8 op quantizes GEMM2's input rows (the activation) at the end of GEMM1, in the last
-# CTA of each expert block to finish (csrc W4a8TailQuantize), instead of in a kernel of its own,
-# where that CTA's share is small: at most W4A8_TAIL_QUANT_MAX_LOADS 16-byte loads a thread for
-# the rows an expert block is expected to hold. Where a block holds many long rows (Mixtral-8x7B
-# at T >= 16: 14336-wide rows), one CTA a block would quantize what the separate kernel spreads
-# over the whole GPU. Results are the same either way.
-W4A8_TAIL_QUANT_MAX_LOADS = 24
-
-
-def choose_w4a8_tail_quant(pairs_per_expert: float, block_m: int, intermediate_size: int,
-                           itemsize: int, fuse: bool | None = None) -> bool:
-  """Whether GEMM1 quantizes the activation rows itself (`fuse` when given)."""
-  if fuse is not None:
-    return bool(fuse)
-  rows = min(block_m, max(1, math.ceil(pairs_per_expert)))
-  threads = 512 if block_m == 128 else 256
-  return rows * intermediate_size * itemsize / 16 / threads <= W4A8_TAIL_QUANT_MAX_LOADS
-
-
 DETERMINISTIC_ENV = "JAX_MOEQ_DETERMINISTIC"
 
 

@@ -220,8 +220,7 @@ def _validate(x, weights, topk_weights, topk_ids, activation_kind):
 
 def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_ids: Array, *,
                  activation_kind: int = 0, apply_router_weight_on_input: bool = False,
-                 block_m: int | None = None, fuse_act_quant: bool | None = None,
-                 out_init: Array | None = None) -> Array:
+                 block_m: int | None = None, out_init: Array | None = None) -> Array:
   """W4A8 fused MoE on a Hopper GPU (SPEC §4); usable under jit.
 
   Args:
@@ -234,8 +233,6 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
       before GEMM1 instead of weighting GEMM2's output.
     block_m: tokens per expert block of the GEMMs (32, 64 or 128); None chooses it from the
       expected pairs per expert (`_gpu_launch.choose_w4a8_block_m`). Results do not depend on it.
-    fuse_act_quant: whether GEMM1 quantizes the activation rows at its end instead of a kernel of
-      their own; None chooses (`_gpu_launch.choose_w4a8_tail_quant`). Results do not depend on it.
     out_init: optional buffer aliased to the output (tests poison it to prove every element is
       written).
   Returns:
@@ -249,8 +246,6 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
   rows = t * k
   in_rows = rows if apply_router_weight_on_input else t
   block_m = _gpu_launch.choose_w4a8_block_m(rows / max(e, 1), block_m)
-  fuse_act_quant = _gpu_launch.choose_w4a8_tail_quant(rows / max(e, 1), block_m, i,
-                                                      jnp.dtype(x.dtype).itemsize, fuse_act_quant)
   padded = _gpu_launch.max_padded_rows(rows, e, block_m)
   dt = x.dtype
   r1 = max(rows, 1)
@@ -265,7 +260,6 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
       jax.ShapeDtypeStruct((r1 * i,), jnp.int8),
       jax.ShapeDtypeStruct((r1 * 2,), jnp.float32),
       jax.ShapeDtypeStruct((r1 * h,), dt),
-      jax.ShapeDtypeStruct((padded // block_m,), jnp.int32),
   ]
   operands = [x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), weights.w13,
               weights.w13_scales, weights.w13_row_corr, weights.w13_bias, weights.w2,
@@ -275,7 +269,7 @@ def w4a8_gpu_moe(x: Array, weights: W4a8GpuWeights, topk_weights: Array, topk_id
                 groups2=np.int64(1 if g == -1 else i // g),
                 activation_kind=np.int64(activation_kind), has_bias=weights.has_bias,
                 apply_router_weight_on_input=bool(apply_router_weight_on_input),
-                block_m=np.int64(block_m), fuse_act_quant=bool(fuse_act_quant))
+                block_m=np.int64(block_m))
   from jax_moeq import _ffi
   _ffi.cuda_library()
   if out_init is None:
