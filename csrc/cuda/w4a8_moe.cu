@@ -347,6 +347,38 @@ __device__ __forceinline__ void UnpackVec(const uint4& raw, float (&v)[16 / size
   }
 }
 
+// The int8 values of one 16-byte piece of a row (v: its values, weighted), packed four to a word in
+// input order, stored at piece j of dst.
+template <int kVec>
+__device__ __forceinline__ void StoreQuantizedPiece(const float (&v)[kVec], const RowQuant& rq,
+                                                    int8_t* dst, int j) {
+  uint32_t packed[kVec / 4];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const int qa = rq.live ? QuantizeValue(v[i], rq) : 0;
+    if (i % 4 == 0) packed[i / 4] = 0;
+    packed[i / 4] |= (static_cast<uint32_t>(qa) & 0xFFu) << (8 * (i % 4));
+  }
+  if constexpr (kVec == 8) {
+    reinterpret_cast<uint2*>(dst)[j] = make_uint2(packed[0], packed[1]);
+  } else {
+    reinterpret_cast<uint32_t*>(dst)[j] = packed[0];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void WeightedPiece(const uint4& raw, bool weighted, float w,
+                                              float (&v)[16 / sizeof(T)]) {
+  UnpackVec<T>(raw, v);
+#pragma unroll
+  for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) v[i] = WeightedInput<T>(v[i], weighted, w);
+}
+
+// 16-byte pieces a lane keeps in registers: a row of up to 32 * kQuantLanePieces pieces (4096
+// bf16 / fp16 values, 2048 f32) is read once, all its loads in flight together, instead of twice
+// in a loop of dependent steps (the decode rows, one or a few per call, waited on each).
+constexpr int kQuantLanePieces = 16;
+
 template <typename T>
 __device__ __forceinline__ void QuantizeRowWarp(const T* x, int in_div, const float* row_weights,
                                                 const int32_t* row_experts, int experts, int cols,
@@ -363,32 +395,43 @@ __device__ __forceinline__ void QuantizeRowWarp(const T* x, int in_div, const fl
   const bool weighted = row_weights != nullptr;
   const float w = weighted ? row_weights[r] : 1.0f;
   const int vecs = cols / kVec;
+  int8_t* dst = q + static_cast<int64_t>(r) * cols;
   RowRange range;
-  for (int j = lane; j < vecs; j += 32) {
-    float v[kVec];
-    UnpackVec<T>(__ldg(src + j), v);
+  float v[kVec];
+  if (vecs <= 32 * kQuantLanePieces) {
+    uint4 held[kQuantLanePieces];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) range.Add(WeightedInput<T>(v[i], weighted, w));
+    for (int u = 0; u < kQuantLanePieces; ++u) {
+      if (lane + 32 * u < vecs) held[u] = __ldg(src + lane + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantLanePieces; ++u) {
+      if (lane + 32 * u >= vecs) continue;
+      WeightedPiece<T>(held[u], weighted, w, v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) range.Add(v[i]);
+    }
+    range.ReduceWarp();
+    const RowQuant rq = RowQuantFromRange(range.mn, range.mx, range.bad != 0);
+#pragma unroll
+    for (int u = 0; u < kQuantLanePieces; ++u) {
+      if (lane + 32 * u >= vecs) continue;
+      WeightedPiece<T>(held[u], weighted, w, v);
+      StoreQuantizedPiece<kVec>(v, rq, dst, lane + 32 * u);
+    }
+    if (lane == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
+    return;
+  }
+  for (int j = lane; j < vecs; j += 32) {
+    WeightedPiece<T>(__ldg(src + j), weighted, w, v);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) range.Add(v[i]);
   }
   range.ReduceWarp();
   const RowQuant rq = RowQuantFromRange(range.mn, range.mx, range.bad != 0);
-  int8_t* dst = q + static_cast<int64_t>(r) * cols;
   for (int j = lane; j < vecs; j += 32) {
-    float v[kVec];
-    UnpackVec<T>(__ldg(src + j), v);
-    uint32_t packed[kVec / 4];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      int qa = 0;
-      if (rq.live) qa = QuantizeValue(WeightedInput<T>(v[i], weighted, w), rq);
-      if (i % 4 == 0) packed[i / 4] = 0;
-      packed[i / 4] |= (static_cast<uint32_t>(qa) & 0xFFu) << (8 * (i % 4));
-    }
-    if constexpr (kVec == 8) {
-      reinterpret_cast<uint2*>(dst)[j] = make_uint2(packed[0], packed[1]);
-    } else {
-      reinterpret_cast<uint32_t*>(dst)[j] = packed[0];
-    }
+    WeightedPiece<T>(__ldg(src + j), weighted, w, v);
+    StoreQuantizedPiece<kVec>(v, rq, dst, j);
   }
   if (lane == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
