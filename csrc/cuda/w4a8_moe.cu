@@ -1,8 +1,8 @@
 // GPU W4A8 fused MoE (SPEC §3-4) on Hopper int8 tensor cores:
 //   alignment (AlignStandardKernel, shared with WNA16) -> per-row int8 quantization of x
 //   -> GEMM1 (wgmma s8 x s8 -> s32, per-group promotion to f32, bias, activation) -> per-row int8
-//   quantization of the activation -> GEMM2 (same GEMM, rows + bias rounded to T, then the rounded
-//   top-k weighting) -> finalize (the rounded sum in slot order, as reference.fused_moe_w4a8).
+//   quantization of the activation -> GEMM2 (same GEMM, rows + bias rounded to T) -> finalize
+//   (rounded top-k weighting and sum in slot order, as reference.fused_moe_w4a8).
 // No XLA types.
 //
 // GEMM design (W4a8WgmmaKernel). A CTA computes 128 weight rows x one expert block of the
@@ -485,10 +485,6 @@ struct W4a8GemmArgs {
   int activation = 0;
   void* act = nullptr;             // GEMM1: [rows][n / 2] in T
   void* ws = nullptr;              // GEMM2: [rows][n] in T, rounded (the reference rounds y2)
-  // GEMM2 with the router weight applied on the output (not on the input): per pair, y2 rounded
-  // to T, times the weight, rounded again, the reference's step before its sum (so the finalize
-  // only sums).
-  const float* pair_weights = nullptr;
 };
 
 // kGroupSteps: 32-deep k-steps per scale group (1, 2, 4), 0 for channel-wise scales. kBM: tokens
@@ -692,7 +688,6 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCt
     const int id = tok_id[col];
     if (id >= p.num_rows || feature0 + row0 >= out_ld) continue;
     float v[8];
-    const float w = !kGemm1 && p.pair_weights ? __ldg(p.pair_weights + id) : 1.0f;
 #pragma unroll
     for (int f = 0; f < 8; ++f) {
       const float y = tile[(row0 + f) * Tile::kTileStride + col];
@@ -700,7 +695,7 @@ __global__ void __launch_bounds__(W8Tile<kBM, kGroupSteps, kCtas>::kThreads, kCt
         const float up = tile[(64 + row0 + f) * Tile::kTileStride + col];
         v[f] = W4a8Activation<T>(p.activation, y, up);
       } else {
-        v[f] = p.pair_weights ? RoundOut<T>(__fmul_rn(RoundOut<T>(y), w)) : y;
+        v[f] = y;
       }
     }
     StoreOut8<T>(kGemm1 ? p.act : p.ws, static_cast<int64_t>(id) * out_ld + feature0 + row0, v);
@@ -764,16 +759,17 @@ std::string LaunchW4a8Gemm(const W4a8GemmArgs& args, int block_m, dim3 grid,
 }
 
 // ------------------------------------------------------------------ finalize
-// out[t][n] = sum over slots k in order, from 0, each step rounded to T, of the ws2 rows: GEMM2
-// wrote each as round(y2) (bias included), times topk_weights[t][k] and rounded again unless the
-// weight was applied on the input; pairs whose expert is outside [0, experts) contribute nothing.
-// This is the W4A8 reference's rounding (reference._combine_rounded), which differs from
-// FinalizeRoundedRowsKernel's (WNA16: one f32 sum, one rounding), so that one is not reused here.
+// out[t][n] = sum over slots k in order, from 0, each step rounded to T, of v = round(ws2 row)
+// (bias included), times topk_weights[t][k] and rounded again unless the weight was applied on
+// the input; pairs whose expert is outside [0, experts) contribute nothing. This is the W4A8
+// reference's rounding (reference._combine_rounded), which differs from FinalizeTokenColumn's
+// (WNA16: one f32 sum, one rounding), so the WNA16 finalize is not reused here.
 constexpr int kFinalizeThreads = 128;
 
 template <typename T>
-__global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids, int top_k, int hidden,
-                                   int tokens, int experts, void* out) {
+__global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids,
+                                   const float* topk_weights, int top_k, int hidden, int tokens,
+                                   int experts, bool weight_on_input, void* out) {
   WaitForPriorGrids();
   AllowDependentGrids();
   // Each thread finishes 8 consecutive features of one token (hidden % 8 == 0): its pairs' rows
@@ -790,13 +786,19 @@ __global__ void W4a8FinalizeKernel(const void* ws, const int32_t* topk_ids, int 
     float y[kBatch][8];
     LoadPairRows8<T>(static_cast<const T*>(ws), topk_ids, experts, top_k, hidden, t, k0, n, in,
                      y);
+    float w[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      w[j] = in[j] && !weight_on_input ? __ldg(topk_weights + t * top_k + k0 + j) : 1.0f;
+    }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       if (!in[j]) continue;
 #pragma unroll
       for (int f = 0; f < 8; ++f) {
-        // y: round(y2) when the weight went on the input, else round(round(y2) * w) (GEMM2).
-        sum[f] = RoundOut<T>(__fadd_rn(sum[f], y[j][f]));
+        float v = y[j][f];  // rounded to T by GEMM2
+        if (!weight_on_input) v = RoundOut<T>(__fmul_rn(v, w[j]));
+        sum[f] = RoundOut<T>(__fadd_rn(sum[f], v));
       }
     }
   }
@@ -873,9 +875,8 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   err = CudaError("activation quantization kernel");
   if (!err.empty()) return err;
 
-  // 5. GEMM2 into rows of T (bias included, rounded as the reference rounds y2, then weighted and
-  // rounded again unless the weight went on the input); N tiles fastest so the CTAs of one token
-  // block run together and read its rows once.
+  // 5. GEMM2 into rows of T (bias included, rounded as the reference rounds y2); N tiles fastest so the CTAs of one token block run
+  // together and read its rows once.
   W4a8GemmArgs g2 = g1;
   g2.xq = p.qact;
   g2.in_div = 1;
@@ -889,7 +890,6 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   g2.groups = static_cast<int>(p.groups2);
   g2.act = nullptr;
   g2.ws = p.ws2;
-  g2.pair_weights = p.weight_on_input ? nullptr : p.topk_weights;
   const unsigned n_tiles2 = static_cast<unsigned>((H + 127) / 128);
   if (max_blocks <= 65535) {
     g2.blk_on_x = false;
@@ -904,12 +904,13 @@ std::string RunTyped(const W4a8MoeProblem& p, cudaStream_t stream) {
   err = CudaError("GEMM2 kernel");
   if (!err.empty()) return err;
 
-  // 6. The rounded sum over slots.
+  // 6. Rounded top-k weighting and the sum over slots.
   LaunchAfterPrior(W4a8FinalizeKernel<T>,
                    dim3(static_cast<unsigned>(p.tokens),
                         (H / 8 + kFinalizeThreads - 1) / kFinalizeThreads),
                    dim3(kFinalizeThreads), 0, stream, static_cast<const void*>(p.ws2), p.topk_ids,
-                   K, H, static_cast<int>(p.tokens), E, p.out);
+                   p.topk_weights, K, H, static_cast<int>(p.tokens), E, p.weight_on_input,
+                   p.out);
   return CudaError("finalize kernel");
 }
 
