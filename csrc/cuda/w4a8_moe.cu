@@ -371,7 +371,9 @@ __device__ __forceinline__ void WeightedPiece(const uint4& raw, bool weighted, f
                                               float (&v)[16 / sizeof(T)]) {
   UnpackVec<T>(raw, v);
 #pragma unroll
-  for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) v[i] = WeightedInput<T>(v[i], weighted, w);
+  for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) {
+    v[i] = WeightedInput<T>(v[i], weighted, w);
+  }
 }
 
 // 16-byte pieces a lane keeps in registers: a row of up to 32 * kQuantLanePieces pieces (4096
