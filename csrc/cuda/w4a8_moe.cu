@@ -369,11 +369,33 @@ __device__ __forceinline__ void StoreQuantizedPiece(const float (&v)[kVec], cons
 template <typename T>
 __device__ __forceinline__ void WeightedPiece(const uint4& raw, bool weighted, float w,
                                               float (&v)[16 / sizeof(T)]) {
+  constexpr int kVec = 16 / sizeof(T);
   UnpackVec<T>(raw, v);
 #pragma unroll
-  for (int i = 0; i < 16 / static_cast<int>(sizeof(T)); ++i) {
-    v[i] = WeightedInput<T>(v[i], weighted, w);
-  }
+  for (int i = 0; i < kVec; ++i) v[i] = WeightedInput<T>(v[i], weighted, w);
+}
+
+// SPEC §3's two passes over a warp's row: its range, then its int8 values and parameters.
+// for_each_piece(f) calls f(piece, j) for each of the lane's 16-byte pieces j, in the same order
+// both times, so that the row may come from registers or from memory.
+template <typename T, typename ForEachPiece>
+__device__ __forceinline__ void QuantizeWarpPieces(ForEachPiece for_each_piece, bool weighted,
+                                                   float w, int8_t* dst, float2* param) {
+  constexpr int kVec = 16 / sizeof(T);
+  float v[kVec];
+  RowRange range;
+  for_each_piece([&](const uint4& raw, int) {
+    WeightedPiece<T>(raw, weighted, w, v);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) range.Add(v[i]);
+  });
+  range.ReduceWarp();
+  const RowQuant rq = RowQuantFromRange(range.mn, range.mx, range.bad != 0);
+  for_each_piece([&](const uint4& raw, int j) {
+    WeightedPiece<T>(raw, weighted, w, v);
+    StoreQuantizedPiece<kVec>(v, rq, dst, j);
+  });
+  if ((threadIdx.x & 31) == 0) *param = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
 
 // 16-byte pieces a lane keeps in registers: a row of up to 32 * kQuantLanePieces pieces (4096
@@ -398,44 +420,27 @@ __device__ __forceinline__ void QuantizeRowWarp(const T* x, int in_div, const fl
   const float w = weighted ? row_weights[r] : 1.0f;
   const int vecs = cols / kVec;
   int8_t* dst = q + static_cast<int64_t>(r) * cols;
-  RowRange range;
-  float v[kVec];
   if (vecs <= 32 * kQuantLanePieces) {
     uint4 held[kQuantLanePieces];
 #pragma unroll
     for (int u = 0; u < kQuantLanePieces; ++u) {
       if (lane + 32 * u < vecs) held[u] = __ldg(src + lane + 32 * u);
     }
+    QuantizeWarpPieces<T>(
+        [&](auto&& f) {
 #pragma unroll
-    for (int u = 0; u < kQuantLanePieces; ++u) {
-      if (lane + 32 * u >= vecs) continue;
-      WeightedPiece<T>(held[u], weighted, w, v);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) range.Add(v[i]);
-    }
-    range.ReduceWarp();
-    const RowQuant rq = RowQuantFromRange(range.mn, range.mx, range.bad != 0);
-#pragma unroll
-    for (int u = 0; u < kQuantLanePieces; ++u) {
-      if (lane + 32 * u >= vecs) continue;
-      WeightedPiece<T>(held[u], weighted, w, v);
-      StoreQuantizedPiece<kVec>(v, rq, dst, lane + 32 * u);
-    }
-    if (lane == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
-    return;
+          for (int u = 0; u < kQuantLanePieces; ++u) {
+            if (lane + 32 * u < vecs) f(held[u], lane + 32 * u);
+          }
+        },
+        weighted, w, dst, params + r);
+  } else {
+    QuantizeWarpPieces<T>(
+        [&](auto&& f) {
+          for (int j = lane; j < vecs; j += 32) f(__ldg(src + j), j);
+        },
+        weighted, w, dst, params + r);
   }
-  for (int j = lane; j < vecs; j += 32) {
-    WeightedPiece<T>(__ldg(src + j), weighted, w, v);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) range.Add(v[i]);
-  }
-  range.ReduceWarp();
-  const RowQuant rq = RowQuantFromRange(range.mn, range.mx, range.bad != 0);
-  for (int j = lane; j < vecs; j += 32) {
-    WeightedPiece<T>(__ldg(src + j), weighted, w, v);
-    StoreQuantizedPiece<kVec>(v, rq, dst, j);
-  }
-  if (lane == 0) params[r] = make_float2(rq.scale, static_cast<float>(rq.zp));
 }
 
 template <typename T>
