@@ -9,7 +9,8 @@ Cold caches and in-graph time: a model runs its layers back to back in one graph
 layers evict a layer's experts before it runs again. So one call of either contender runs
 `--layers` MoE layers, each with its own weights (default: at least 4, and enough that their
 packed experts are at least twice the last-level cache) and routing, chained through a residual
-(x <- x + moe(x)): ours in one jitted function, ORT's as one graph of QMoE and Add nodes. Per-call
+(x <- x + moe(x)): ours in one jitted function (the add in the kernel's combine, `residual=`, as
+the models run it), ORT's as one graph of QMoE and Add nodes. Per-call
 costs (Python, the runtime's dispatch) are shared by the layers, as in a model. Every call draws
 fresh routings. Printed per T:
 
@@ -200,11 +201,12 @@ def routing_ring(shape: Shape, tokens: int, ring: int, seed: int):
 
 # ------------------------------------------------------------------ contenders
 def _moe_layer(shape: Shape, group_size: int):
-  """One layer, not jitted: (x, ids, w, w13_packed, w2_packed) -> moe(x)."""
+  """One layer, not jitted: (x, ids, w, w13_packed, w2_packed, residual=None) -> moe(x), plus
+  the residual when given (added by the kernel)."""
   from jax_moeq.ops.w4a8_cpu import dynamic_4bit_int_moe
   h, i = shape.hidden_size, shape.intermediate_size
-  return lambda x, ids, w, p13, p2: dynamic_4bit_int_moe(x, ids, w, p13, p2, h, i, 2 * i,
-                                                         group_size)
+  return lambda x, ids, w, p13, p2, residual=None: dynamic_4bit_int_moe(
+      x, ids, w, p13, p2, h, i, 2 * i, group_size, residual=residual)
 
 
 def ours_fn(shape: Shape, group_size: int):
@@ -212,14 +214,18 @@ def ours_fn(shape: Shape, group_size: int):
   return jax.jit(_moe_layer(shape, group_size))
 
 
-def ours_stack_fn(shape: Shape, group_size: int):
+def ours_stack_fn(shape: Shape, group_size: int, xla_residual: bool = False):
   """Layers chained in one jitted function: (x, [ids], [w], [(w13_packed, w2_packed)]) -> x
-  after x <- x + moe_l(x) for every layer l."""
+  after x <- x + moe_l(x) for every layer l: the add in the kernel's combine (`residual=`, as the
+  models run it), or as an XLA op after each call (`xla_residual`)."""
   layer = _moe_layer(shape, group_size)
 
   def stack(x, ids, w, packed):
     for l, (p13, p2) in enumerate(packed):
-      x = x + layer(x, ids[l], w[l], p13, p2)
+      if xla_residual:
+        x = x + layer(x, ids[l], w[l], p13, p2)
+      else:
+        x = layer(x, ids[l], w[l], p13, p2, residual=x)
     return x
   return jax.jit(stack)
 

@@ -33,7 +33,7 @@ _PKG_DIR = Path(__file__).resolve().parent
 CUDA_LIBRARY_NAME = "libjax_moeq_cuda.so"
 # JAX_MOEQ_FFI_ABI_VERSION of xla_ffi/abi_version.h: bump both together whenever a target's
 # buffers, attributes or workspace sizes change.
-FFI_ABI_VERSION = 2
+FFI_ABI_VERSION = 3
 
 
 class NativeLibraryError(RuntimeError):

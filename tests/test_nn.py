@@ -505,3 +505,22 @@ def test_float_block_under_nnx_jit():
   x = jax.random.normal(jax.random.key(78), (4, H), jnp.float32)
   # XLA fuses differently under jit than op by op: float32 summation order only.
   assert rel(nnx.jit(lambda m, x: m(x))(moe, x), moe(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("scheme,dtype", [("w4a8_int8", jnp.bfloat16), ("w4a8_int8", jnp.float32),
+                                          ("mxint4", jnp.bfloat16)])
+def test_residual_is_the_add_after_the_block(scheme, dtype):
+  """block(x, residual=r) == r + block(x) bit for bit, whether the kernel adds r (the CPU W4A8
+  combine) or the block does (the MxInt4 reference); in r's dtype when the block's differs.
+  (A float block is left out: XLA may keep its jnp output in excess precision inside a jit.)"""
+  moe = MoE(E, K, H, I, dtype=dtype, rngs=nnx.Rngs(41))
+  block = QuantizedMoE.from_float(moe, scheme=scheme, group_size=32)
+  x = jax.random.normal(jax.random.key(42), (2, 3, H), dtype)
+  for r in (jax.random.normal(jax.random.key(43), (2, 3, H), dtype) * 3,
+            jax.random.normal(jax.random.key(44), (2, 3, H), jnp.float32)):
+    got = jax.jit(lambda x, r: block(x, residual=r))(x, r)
+    want = jax.jit(lambda x, r: r + block(x).astype(r.dtype))(x, r)
+    assert got.dtype == r.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  with pytest.raises(ValueError, match="residual must have x's shape"):
+    block(x, residual=x[:1])

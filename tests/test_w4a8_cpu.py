@@ -387,3 +387,77 @@ def test_stage_clock_reports_the_decode_region():
   assert 0 <= experts["idle_tail_ns"] <= experts["threads"] * experts["wall_ns"]
   assert experts["busy_ns"] > 0
   assert taken["stages"]["combine"]["pieces"] == 0
+
+
+# ------------------------------------------------------------------ fused residual
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [5, 12])
+def test_residual_equals_the_add_after_the_op(isa, dtype, T, monkeypatch):
+  """`residual=r` gives r + moe(x) rounded as XLA's add in x's dtype, bit for bit: in the decode
+  region (T = 5, 40 pairs) and the staged path (T = 12, 96 pairs), with a pair out of range, into
+  a NaN-filled output buffer."""
+  monkeypatch.setenv("JAX_MOEQ_CPU_ISA", isa)
+  H, I, E, K = 256, 128, 16, 8
+  p = make_problem(31, T=T, E=E, K=K, H=H, I=I, group_size=64, dtype=dtype, bias=True)
+  residual = jnp.asarray(np.random.default_rng(32).standard_normal((T, H)) * 4, dtype)
+  ids = p["topk_ids"].at[1, 3].set(E + 5)
+  kw = dict(H=H, I=I, group_size=64, apply_router_weight_on_input=False, activation_kind=0)
+  plain = jax.jit(lambda x, i, w, r: r + w4a8_cpu._ffi_moe(
+      x, i, w, p["w13_packed"], p["w2_packed"], **kw))
+  fused = jax.jit(lambda x, i, w, r, poison: w4a8_cpu._ffi_moe(
+      x, i, w, p["w13_packed"], p["w2_packed"], residual=r, out_buffer=poison, **kw))
+  poison = jnp.full((T, H), jnp.nan, dtype)
+  want = np.asarray(plain(p["x"], ids, p["topk_weights"], residual), np.float32)
+  got = np.asarray(fused(p["x"], ids, p["topk_weights"], residual, poison), np.float32)
+  assert np.isfinite(got).all(), "kernel left unwritten (NaN) elements"
+  assert np.abs(got - np.asarray(residual, np.float32)).max() > 0  # the MoE part is not lost
+  np.testing.assert_array_equal(got, want)
+
+
+def test_residual_alone_when_no_pair_is_routed(small):
+  """Every id out of range (data under jit): no GEMM runs and the output is the residual."""
+  residual = small["x"] * 3 - 1
+  f = jax.jit(lambda i: w4a8_cpu.dynamic_4bit_int_moe(
+      small["x"], i, small["topk_weights"], small["w13_packed"], small["w2_packed"], 128, 64, 128,
+      32, residual=residual))
+  got = f(jnp.full_like(small["topk_ids"], 9))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(residual))
+
+
+def test_residual_under_vmap(small):
+  """A batch of token sets with their residuals is one call on the folded tokens, equal to the
+  sets one by one."""
+  xs = jnp.stack([small["x"], small["x"][::-1]])
+  rs = jnp.stack([small["x"] * 0.5, small["x"] - 2])
+  ids = jnp.stack([small["topk_ids"], small["topk_ids"][::-1]])
+  ws = jnp.stack([small["topk_weights"], small["topk_weights"][::-1]])
+  op = lambda x, i, w, r: w4a8_cpu.dynamic_4bit_int_moe(
+      x, i, w, small["w13_packed"], small["w2_packed"], 128, 64, 128, 32, residual=r)
+  got = jax.jit(jax.vmap(op))(xs, ids, ws, rs)
+  for b in range(2):
+    np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(op(xs[b], ids[b], ws[b], rs[b])))
+
+
+@pytest.mark.parametrize("residual,match", [
+    (lambda x: x[:2], "residual must have x's shape"),
+    (lambda x: x.astype(jnp.bfloat16), "residual must have x's shape and dtype"),
+])
+def test_bad_residual_raises(small, residual, match):
+  with pytest.raises(ValueError, match=match):
+    w4a8_cpu.dynamic_4bit_int_moe(small["x"], small["topk_ids"], small["topk_weights"],
+                                  small["w13_packed"], small["w2_packed"], 128, 64, 128, 32,
+                                  residual=residual(small["x"]))
+
+
+@pytest.mark.parametrize("residual,match", [
+    (lambda x: x[:2], "residual must have the shape of x"),
+    (lambda x: x.astype(jnp.bfloat16), "residual dtype differs from x"),
+])
+def test_handler_validates_residual(small, residual, match):
+  """The FFI handler checks the residual on its own (Python validation bypassed)."""
+  with pytest.raises(Exception, match=match):
+    jax.block_until_ready(w4a8_cpu._ffi_moe(
+        small["x"], small["topk_ids"], small["topk_weights"], small["w13_packed"],
+        small["w2_packed"], H=128, I=64, group_size=32, apply_router_weight_on_input=False,
+        activation_kind=0, residual=residual(small["x"])))

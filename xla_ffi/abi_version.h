@@ -5,4 +5,4 @@
 // them (an old libjax_moeq_cuda.so under new Python crashed on the H100, 2026-11-23).
 #pragma once
 
-#define JAX_MOEQ_FFI_ABI_VERSION 2
+#define JAX_MOEQ_FFI_ABI_VERSION 3

@@ -14,6 +14,8 @@
 
 extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeCpuInto(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeResidualCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxMoeqW4A8MoeResidualCpuInto(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4A8LinearCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqW4A8LinearCpuInto(XLA_FFI_CallFrame* call_frame);
 
@@ -29,6 +31,10 @@ PYBIND11_MODULE(_cpu_ffi, m) {
         py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeCpu));
     targets["jax_moeq_w4a8_moe_cpu_into"] =
         py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeCpuInto));
+    targets["jax_moeq_w4a8_moe_residual_cpu"] =
+        py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeResidualCpu));
+    targets["jax_moeq_w4a8_moe_residual_cpu_into"] =
+        py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8MoeResidualCpuInto));
     targets["jax_moeq_w4a8_linear_cpu"] =
         py::capsule(reinterpret_cast<void*>(&JaxMoeqW4A8LinearCpu));
     targets["jax_moeq_w4a8_linear_cpu_into"] =

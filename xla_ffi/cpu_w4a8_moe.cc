@@ -16,11 +16,13 @@ ffi::Error Invalid(const std::string& message) {
   return ffi::Error::InvalidArgument("jax_moeq_w4a8_moe_cpu: " + message);
 }
 
-ffi::Error W4A8MoeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
-                       ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::U8> w13_packed,
-                       ffi::Buffer<ffi::U8> w2_packed, ffi::Result<ffi::AnyBuffer> out,
-                       int64_t hidden_size, int64_t intermediate_size, int64_t group_size,
-                       bool apply_router_weight_on_input, int64_t activation_kind) {
+// The op; `residual` (nullable) is added to the result in the kernel's combine.
+ffi::Error W4A8MoeRun(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                      ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::U8> w13_packed,
+                      ffi::Buffer<ffi::U8> w2_packed, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t hidden_size, int64_t intermediate_size, int64_t group_size,
+                      bool apply_router_weight_on_input, int64_t activation_kind,
+                      const ffi::AnyBuffer* residual) {
   cpu::W4A8MoeProblem p{};
   switch (x.element_type()) {
     case ffi::F32: p.dtype = cpu::ElementType::kF32; break;
@@ -56,6 +58,14 @@ ffi::Error W4A8MoeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (out_dims.size() != 2 || out_dims[0] != x_dims[0] || out_dims[1] != x_dims[1]) {
     return Invalid("output must have the shape of x");
   }
+  if (residual != nullptr) {
+    if (residual->element_type() != x.element_type()) return Invalid("residual dtype differs from x");
+    const auto r_dims = residual->dimensions();
+    if (r_dims.size() != 2 || r_dims[0] != x_dims[0] || r_dims[1] != x_dims[1]) {
+      return Invalid("residual must have the shape of x");
+    }
+    p.residual = residual->untyped_data();
+  }
   p.x = x.untyped_data();
   p.out = out->untyped_data();
   p.topk_ids = topk_ids.typed_data();
@@ -81,6 +91,16 @@ ffi::Error W4A8MoeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error W4A8MoeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+                       ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::U8> w13_packed,
+                       ffi::Buffer<ffi::U8> w2_packed, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t hidden_size, int64_t intermediate_size, int64_t group_size,
+                       bool apply_router_weight_on_input, int64_t activation_kind) {
+  return W4A8MoeRun(pool, x, topk_ids, topk_weights, w13_packed, w2_packed, out, hidden_size,
+                    intermediate_size, group_size, apply_router_weight_on_input,
+                    activation_kind, nullptr);
+}
+
 }  // namespace
 }  // namespace jax_moeq::ffi_cpu
 
@@ -98,6 +118,29 @@ ffi::Error W4A8MoeIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
   return W4A8MoeImpl(pool, x, topk_ids, topk_weights, w13_packed, w2_packed, out, hidden_size,
                      intermediate_size, group_size, apply_router_weight_on_input,
                      activation_kind);
+}
+
+// out = residual + moe(x), the residual added in the combine (plain and aliased forms).
+ffi::Error W4A8MoeResidualImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                               ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights,
+                               ffi::Buffer<ffi::U8> w13_packed, ffi::Buffer<ffi::U8> w2_packed,
+                               ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> out,
+                               int64_t hidden_size, int64_t intermediate_size, int64_t group_size,
+                               bool apply_router_weight_on_input, int64_t activation_kind) {
+  return W4A8MoeRun(pool, x, topk_ids, topk_weights, w13_packed, w2_packed, out, hidden_size,
+                    intermediate_size, group_size, apply_router_weight_on_input, activation_kind,
+                    &residual);
+}
+
+ffi::Error W4A8MoeResidualIntoImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_ids,
+    ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::U8> w13_packed,
+    ffi::Buffer<ffi::U8> w2_packed, ffi::AnyBuffer residual, ffi::AnyBuffer /*aliased out*/,
+    ffi::Result<ffi::AnyBuffer> out, int64_t hidden_size, int64_t intermediate_size,
+    int64_t group_size, bool apply_router_weight_on_input, int64_t activation_kind) {
+  return W4A8MoeRun(pool, x, topk_ids, topk_weights, w13_packed, w2_packed, out, hidden_size,
+                    intermediate_size, group_size, apply_router_weight_on_input, activation_kind,
+                    &residual);
 }
 
 auto BindInputs() {
@@ -129,3 +172,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMoeqW4A8MoeCpu, jax_moeq::ffi_cpu::W4A8MoeImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxMoeqW4A8MoeCpuInto, jax_moeq::ffi_cpu::W4A8MoeIntoImpl,
     jax_moeq::ffi_cpu::BindAttrs(jax_moeq::ffi_cpu::BindInputs().Arg<ffi::AnyBuffer>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqW4A8MoeResidualCpu, jax_moeq::ffi_cpu::W4A8MoeResidualImpl,
+    jax_moeq::ffi_cpu::BindAttrs(jax_moeq::ffi_cpu::BindInputs().Arg<ffi::AnyBuffer>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxMoeqW4A8MoeResidualCpuInto, jax_moeq::ffi_cpu::W4A8MoeResidualIntoImpl,
+    jax_moeq::ffi_cpu::BindAttrs(
+        jax_moeq::ffi_cpu::BindInputs().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()));

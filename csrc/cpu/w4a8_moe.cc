@@ -378,13 +378,13 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
                         QuantizedActivations{q1, s1, zp1, sum1}, rows1, y13};
   const GemmPass pass2{p.w2_packed, shape2.total_bytes(), shape2,
                        QuantizedActivations{q2, s2, zp2, sum2}, rows2, y2};
-  // Stage 5: weighted sum over slots, in slot order, in the output dtype; over a range of
-  // columns, so that the decode region can run it per GEMM2 column range (the same arithmetic,
-  // element by element).
+  // Stage 5: weighted sum over slots, in slot order, in the output dtype, then the residual (its
+  // own rounded add, as the model's); over a range of columns, so that the decode region can run
+  // it per GEMM2 column range (the same arithmetic, element by element).
   const size_t out_bytes = ElementBytes(p.dtype);
   auto combine_tokens = [&](int64_t t_begin, int64_t t_end, int64_t col_begin, int64_t col_end) {
     const int64_t cols = col_end - col_begin;
-    std::vector<float> acc(cols);
+    std::vector<float> acc(cols), residual(p.residual ? cols : 0);
     for (int64_t t = t_begin; t < t_end; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t k = 0; k < K; ++k) {
@@ -392,6 +392,11 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
         if (slot_pos[slot] < 0) continue;  // expert id out of range
         ops.accumulate(p.dtype, y2 + static_cast<int64_t>(slot_pos[slot]) * H + col_begin,
                        p.topk_weights[slot], !per_slot, acc.data(), cols);
+      }
+      if (p.residual) {
+        ops.load(p.dtype, static_cast<const char*>(p.residual) + (t * H + col_begin) * out_bytes,
+                 0, cols, residual.data());
+        ops.accumulate(p.dtype, residual.data(), 1.0f, false, acc.data(), cols);
       }
       ops.store(p.dtype, acc.data(), cols,
                 static_cast<char*>(p.out) + (t * H + col_begin) * out_bytes, 0);
@@ -502,6 +507,7 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
     c.tokens = std::min(chunk, T - t0);
     c.x = static_cast<const char*>(p.x) + static_cast<size_t>(t0) * row_bytes;
     c.out = static_cast<char*>(p.out) + static_cast<size_t>(t0) * row_bytes;
+    if (p.residual) c.residual = static_cast<const char*>(p.residual) + static_cast<size_t>(t0) * row_bytes;
     c.topk_ids = p.topk_ids + t0 * K;
     c.topk_weights = p.topk_weights + t0 * K;
     RunChunk(c, isa, parallel_for);

@@ -16,6 +16,9 @@ struct W4A8MoeProblem {
   ElementType dtype;
   const void* x;               // [tokens][hidden]
   void* out;                   // [tokens][hidden]
+  // [tokens][hidden] in x's dtype, or nullptr: out = round(residual + round(moe(x))), the
+  // rounding of the model's residual add done apart (a decoder layer's x + mlp(x)).
+  const void* residual;
   const int32_t* topk_ids;     // [tokens][top_k]
   const float* topk_weights;   // [tokens][top_k]
   const uint8_t* w13_packed;   // [experts][W4A8PackedBytes(2I, H, g)]

@@ -50,6 +50,11 @@ Array = jax.Array
 GATED_ACTIVATIONS = (MoEActivation.SILU, MoEActivation.SWIGLUOAI, MoEActivation.SWIGLUSTEP)
 
 
+def add_residual(y: Array, residual: Array | None) -> Array:
+  """residual + y in residual's dtype (a decoder layer's x + mlp(x)); y when there is none."""
+  return y if residual is None else residual + y.astype(residual.dtype)
+
+
 class MoEExperts(abc.ABC):
   """A backend's experts: `is_supported_config` (class level), `prepare` and `apply`."""
 
@@ -160,14 +165,25 @@ class MoEExperts(abc.ABC):
                    weights: Mapping[str, Array]) -> Array:
     """The experts on already-routed tokens: [T, H] -> [T, H]; `weights` from `prepare`."""
 
+  def apply_routed_residual(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
+                            weights: Mapping[str, Array], residual: Array) -> Array:
+    """residual + apply_routed(...) in residual's dtype (a decoder layer's x + mlp(x)); backends
+    whose kernel adds the residual itself override this, with the same result bit for bit."""
+    return add_residual(self.apply_routed(hidden_states, topk_ids, topk_weights, weights),
+                        residual)
+
   def apply(self, hidden_states: Array, router_logits: Array, weights: Mapping[str, Array],
             routing: RoutingOptions | None = None,
-            e_score_correction_bias: Array | None = None) -> Array:
+            e_score_correction_bias: Array | None = None,
+            residual: Array | None = None) -> Array:
     """The whole layer from router logits [T, E]: routing (`routing`, default from the
-    config's top-k and routing method), then the experts. [T, H] -> [T, H]."""
+    config's top-k and routing method), then the experts. [T, H] -> [T, H], plus `residual`
+    [T, H] when given (`apply_routed_residual`)."""
     if routing is None:
       routing = self.default_routing()
     topk_weights, topk_ids = routing.select(router_logits, e_score_correction_bias)
+    if residual is not None:
+      return self.apply_routed_residual(hidden_states, topk_ids, topk_weights, weights, residual)
     return self.apply_routed(hidden_states, topk_ids, topk_weights, weights)
 
   def default_routing(self) -> RoutingOptions:

@@ -139,12 +139,20 @@ class CPUExpertsInt4(FusedW4A8Experts):
 
   # ---------------------------------------------------------------- compute
   def apply_routed(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
-                   weights: Mapping[str, Array]) -> Array:
-    """`dynamic_4bit_int_moe` on routed tokens."""
+                   weights: Mapping[str, Array], residual: Array | None = None) -> Array:
+    """`dynamic_4bit_int_moe` on routed tokens (`residual` added in its combine)."""
     require_arrays(type(self).__name__, weights, _NAMES)
     h, i = self.moe_config.hidden_size, self.moe_config.intermediate_size
     return w4a8_cpu.dynamic_4bit_int_moe(
         hidden_states, topk_ids, topk_weights, weights["w13_packed"], weights["w2_packed"], h, i,
         2 * i, self._group_size(), apply_router_weight_on_input=self.apply_router_weight_on_input,
-        activation_kind=self.activation.kernel_kind)
+        activation_kind=self.activation.kernel_kind, residual=residual)
+
+  def apply_routed_residual(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
+                            weights: Mapping[str, Array], residual: Array) -> Array:
+    """The residual added by the kernel (no XLA op between layers) where dtypes agree."""
+    if residual.dtype != jnp.asarray(hidden_states).dtype or residual.shape != hidden_states.shape:
+      return super().apply_routed_residual(hidden_states, topk_ids, topk_weights, weights,
+                                           residual)
+    return self.apply_routed(hidden_states, topk_ids, topk_weights, weights, residual)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jax_moeq import reference
 from jax_moeq import routing as routing_lib
-from jax_moeq.experts.base import MoEExperts, check_int4_weights, require_arrays
+from jax_moeq.experts.base import MoEExperts, add_residual, check_int4_weights, require_arrays
 from jax_moeq.oracle.base import (
     MXINT4_WEIGHT_KEYS, MoEActivation, MoEConfig, MoEParallelConfig, QuantKey, RoutingMethodType,
     RoutingOptions,
@@ -179,17 +179,18 @@ class HopperMxInt4Experts(_MxInt4ExpertsBase):
 
   def apply(self, hidden_states: Array, router_logits: Array, weights: Mapping[str, Array],
             routing: RoutingOptions | None = None,
-            e_score_correction_bias: Array | None = None) -> Array:
+            e_score_correction_bias: Array | None = None,
+            residual: Array | None = None) -> Array:
     """`mxint4_moe` on this rank's prepared experts; logits over all (global) experts."""
     require_arrays(type(self).__name__, weights, _GPU_ARRAYS)
     routing = self._kernel_routing(routing)
     w13 = weights["gemm1_weights"]
-    return mxint4_gpu.mxint4_moe(
+    return add_residual(mxint4_gpu.mxint4_moe(
         hidden_states, router_logits, w13, weights["gemm1_scales"], weights["gemm2_weights"],
         weights["gemm2_scales"], num_experts=router_logits.shape[-1],
         intermediate_size=self.moe_config.intermediate_size, local_num_experts=w13.shape[0],
         ep_rank=self.moe_config.parallel_config.ep_rank,
-        **self._route_kwargs(routing, e_score_correction_bias))
+        **self._route_kwargs(routing, e_score_correction_bias)), residual)
 
 
 class ReferenceExpertsMxInt4(_MxInt4ExpertsBase):
@@ -234,7 +235,8 @@ class ReferenceExpertsMxInt4(_MxInt4ExpertsBase):
 
   def apply(self, hidden_states: Array, router_logits: Array, weights: Mapping[str, Array],
             routing: RoutingOptions | None = None,
-            e_score_correction_bias: Array | None = None) -> Array:
+            e_score_correction_bias: Array | None = None,
+            residual: Array | None = None) -> Array:
     """Kernel-side routing as the GPU kernel computes it (`reference.fused_moe_mxint4`, this
     rank's experts only); host routing when the config's method is Unspecified."""
     require_arrays(type(self).__name__, weights, _REFERENCE_ARRAYS)
@@ -244,9 +246,10 @@ class ReferenceExpertsMxInt4(_MxInt4ExpertsBase):
         raise ValueError(f"host routing needs every expert local: the weights hold {local} of "
                          f"{router_logits.shape[-1]} experts")
       return super().apply(hidden_states, router_logits, weights, routing,
-                           e_score_correction_bias)
+                           e_score_correction_bias, residual)
     routing = self._kernel_routing(routing)
-    return reference.fused_moe_mxint4(
+    return add_residual(reference.fused_moe_mxint4(
         hidden_states, router_logits, weights["w13_q"], weights["w13_scale"], weights["w2_q"],
         weights["w2_scale"], local_expert_offset=self.moe_config.parallel_config.ep_rank * local,
-        local_num_experts=local, **self._route_kwargs(routing, e_score_correction_bias))
+        local_num_experts=local, **self._route_kwargs(routing, e_score_correction_bias)),
+        residual)

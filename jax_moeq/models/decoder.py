@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_moeq.models.config import DecoderConfig
+from jax_moeq.nn.moe import MoE, QuantizedMoE
 
 Array = jax.Array
 
@@ -183,6 +184,8 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions, mask, kv, write_index):
     h, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
     x = x + h
+    if isinstance(self.mlp, (MoE, QuantizedMoE)):  # the residual add may run inside the MoE kernel
+      return self.mlp(self.post_attention_layernorm(x), residual=x), kv
     return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), kv
 
 

@@ -216,9 +216,15 @@ class _MoEBase(nnx.Module):
     """(topk_weights f32 [T, K], topk_ids int32 [T, K]) for router logits [T, E]."""
     return self.spec.routing.select(logits, self._correction_bias())
 
-  def _run(self, x: Array, router_logits: Array | None, arrays: dict[str, Array]) -> Array:
+  def _run(self, x: Array, router_logits: Array | None, arrays: dict[str, Array],
+           residual: Array | None = None) -> Array:
     tokens, logits, lead = self._flatten(x, router_logits)
-    y = self.experts.apply(tokens, logits, arrays, self.spec.routing, self._correction_bias())
+    if residual is not None:
+      if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {x.shape}, got {residual.shape}")
+      residual = residual.reshape(-1, self.spec.hidden_size)
+    y = self.experts.apply(tokens, logits, arrays, self.spec.routing, self._correction_bias(),
+                           residual=residual)
     return y.reshape(*lead, self.spec.hidden_size)
 
 
@@ -289,8 +295,10 @@ class MoE(_MoEBase):
     return FloatMoEWeights(cast(self.w13), cast(self.w2), cast(self.w13_bias),
                            cast(self.w2_bias))
 
-  def __call__(self, x: Array, router_logits: Array | None = None) -> Array:
-    return self._run(x, router_logits, self.experts.prepare(self.float_weights()))
+  def __call__(self, x: Array, router_logits: Array | None = None,
+               residual: Array | None = None) -> Array:
+    """moe(x) [..., H]; `residual + moe(x)` in residual's dtype when given."""
+    return self._run(x, router_logits, self.experts.prepare(self.float_weights()), residual)
 
 
 class QuantizedMoE(_MoEBase):
@@ -364,8 +372,11 @@ class QuantizedMoE(_MoEBase):
   def _arrays(self) -> dict[str, Array]:
     return {name: getattr(self, name)[...] for name in self.quantized_names}
 
-  def __call__(self, x: Array, router_logits: Array | None = None) -> Array:
-    return self._run(x, router_logits, self._arrays())
+  def __call__(self, x: Array, router_logits: Array | None = None,
+               residual: Array | None = None) -> Array:
+    """moe(x) [..., H]; `residual + moe(x)` in residual's dtype when given (the CPU W4A8 kernel
+    adds it in its combine)."""
+    return self._run(x, router_logits, self._arrays(), residual)
 
   def canonical_int4(self) -> Int4MoEWeights:
     """The block's int4 weights in canonical form (unpacked from the backend's format)."""

@@ -20,6 +20,9 @@ from jax_moeq.ops._token_batching import fold_token_batches
 FFI_TARGET = "jax_moeq_w4a8_moe_cpu"
 # Same op writing into a given (aliased) buffer: lets tests poison the output.
 FFI_TARGET_INTO = "jax_moeq_w4a8_moe_cpu_into"
+# out = residual + moe(x), the residual added in the kernel's combine.
+FFI_TARGET_RESIDUAL = "jax_moeq_w4a8_moe_residual_cpu"
+FFI_TARGET_RESIDUAL_INTO = "jax_moeq_w4a8_moe_residual_cpu_into"
 TILE_ROWS = 16  # output rows per tile: one zmm of float32
 BLOCK_INPUTS = 8  # inputs per 64-byte block
 SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
@@ -167,11 +170,14 @@ def unpack_w4a8_gemm(packed: Any, n: int, k: int, group_size: int):
 
 # ------------------------------------------------------------------ the op
 def _validate_call(x, topk_ids, topk_weights, w13_packed, w2_packed, H, I, I2, group_size,
-                   activation_kind):
+                   activation_kind, residual=None):
   if x.ndim != 2:
     raise ValueError(f"x must be 2-D [tokens, hidden], got shape {x.shape}")
   if x.dtype not in SUPPORTED_DTYPES:
     raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+  if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    raise ValueError(f"residual must have x's shape and dtype {x.dtype}{x.shape}, got "
+                     f"{residual.dtype}{residual.shape}")
   t = x.shape[0]
   if topk_ids.ndim != 2 or topk_ids.shape[0] != t:
     raise ValueError(f"topk_ids must be [tokens={t}, top_k], got shape {topk_ids.shape}")
@@ -224,15 +230,19 @@ def _validate_call(x, topk_ids, topk_weights, w13_packed, w2_packed, H, I, I2, g
 
 
 def _ffi_moe(x, topk_ids, topk_weights, w13_packed, w2_packed, *, H, I, group_size,
-             apply_router_weight_on_input, activation_kind, out_buffer=None):
+             apply_router_weight_on_input, activation_kind, out_buffer=None, residual=None):
   """The bare custom call (no Python-side validation: the handler validates)."""
   _ffi.cpu_module()
   result = jax.ShapeDtypeStruct(x.shape, x.dtype)
   operands = (x, topk_ids, topk_weights, w13_packed, w2_packed)
+  plain, into = FFI_TARGET, FFI_TARGET_INTO
+  if residual is not None:
+    plain, into = FFI_TARGET_RESIDUAL, FFI_TARGET_RESIDUAL_INTO
+    operands += (residual,)
   if out_buffer is None:
-    call = jax.ffi.ffi_call(FFI_TARGET, result)
+    call = jax.ffi.ffi_call(plain, result)
   else:
-    call = jax.ffi.ffi_call(FFI_TARGET_INTO, result, input_output_aliases={5: 0})
+    call = jax.ffi.ffi_call(into, result, input_output_aliases={len(operands): 0})
     operands += (out_buffer,)
   return call(
       *operands,
@@ -242,9 +252,14 @@ def _ffi_moe(x, topk_ids, topk_weights, w13_packed, w2_packed, *, H, I, group_si
   )
 
 
-def _batched_moe(static: dict):
+def _batched_moe(static: dict, residual: bool):
   """The op with a vmap rule (_token_batching): a batch of token sets sharing weights is one
   bigger token set; per-batch weights fall back to a sequential map."""
+  if residual:
+    return fold_token_batches(
+        lambda x, topk_ids, topk_weights, res, w13_packed, w2_packed: _ffi_moe(
+            x, topk_ids, topk_weights, w13_packed, w2_packed, residual=res, **static),
+        num_token_args=4)
   return fold_token_batches(
       lambda x, topk_ids, topk_weights, w13_packed, w2_packed: _ffi_moe(
           x, topk_ids, topk_weights, w13_packed, w2_packed, **static),
@@ -263,6 +278,7 @@ def dynamic_4bit_int_moe(
     group_size: int,
     apply_router_weight_on_input: bool = False,
     activation_kind: int = 0,
+    residual: Array | None = None,
 ) -> Array:
   """Fused int4-weight / int8-activation MoE on the CPU (SPEC §4).
 
@@ -276,6 +292,9 @@ def dynamic_4bit_int_moe(
     apply_router_weight_on_input: scale x by the router weight before GEMM1
       instead of scaling the expert output.
     activation_kind: 0 SwiGLU, 1 SwiGLU-OAI (GPT-OSS), 2 SiLU (= SwiGLU).
+    residual: optional [T, H] in x's dtype: the result is then `residual + moe(x)`,
+      bit for bit as that add in x's dtype after the op, done in the kernel's combine
+      (a decoder layer's residual add without an XLA op of its own between the layers).
 
   Returns:
     [T, H] in x's dtype. Works under jit and vmap (a batch of token sets is
@@ -293,11 +312,13 @@ def dynamic_4bit_int_moe(
   """
   H, I, I2, group_size, activation_kind = map(int, (H, I, I2, group_size, activation_kind))
   x, topk_ids, topk_weights = jnp.asarray(x), jnp.asarray(topk_ids), jnp.asarray(topk_weights)
+  residual = None if residual is None else jnp.asarray(residual)
   _validate_call(x, topk_ids, topk_weights, w13_packed, w2_packed, H, I, I2, group_size,
-                 activation_kind)
+                 activation_kind, residual)
   static = dict(H=H, I=I, group_size=group_size,
                 apply_router_weight_on_input=bool(apply_router_weight_on_input),
                 activation_kind=activation_kind)
-  return _batched_moe(static)(
-      x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w13_packed, w2_packed
-  )
+  token_args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32))
+  if residual is not None:
+    token_args += (residual,)
+  return _batched_moe(static, residual is not None)(*token_args, w13_packed, w2_packed)
