@@ -59,7 +59,9 @@ ffi::Error W4A8MoeRun(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S
     return Invalid("output must have the shape of x");
   }
   if (residual != nullptr) {
-    if (residual->element_type() != x.element_type()) return Invalid("residual dtype differs from x");
+    if (residual->element_type() != x.element_type()) {
+      return Invalid("residual dtype differs from x");
+    }
     const auto r_dims = residual->dimensions();
     if (r_dims.size() != 2 || r_dims[0] != x_dims[0] || r_dims[1] != x_dims[1]) {
       return Invalid("residual must have the shape of x");

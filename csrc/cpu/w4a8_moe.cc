@@ -507,7 +507,9 @@ std::string RunW4A8Moe(const W4A8MoeProblem& p, Isa isa, const ParallelFor& para
     c.tokens = std::min(chunk, T - t0);
     c.x = static_cast<const char*>(p.x) + static_cast<size_t>(t0) * row_bytes;
     c.out = static_cast<char*>(p.out) + static_cast<size_t>(t0) * row_bytes;
-    if (p.residual) c.residual = static_cast<const char*>(p.residual) + static_cast<size_t>(t0) * row_bytes;
+    if (p.residual) {
+      c.residual = static_cast<const char*>(p.residual) + static_cast<size_t>(t0) * row_bytes;
+    }
     c.topk_ids = p.topk_ids + t0 * K;
     c.topk_weights = p.topk_weights + t0 * K;
     RunChunk(c, isa, parallel_for);
