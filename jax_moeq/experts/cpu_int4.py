@@ -151,7 +151,7 @@ class CPUExpertsInt4(FusedW4A8Experts):
   def apply_routed_residual(self, hidden_states: Array, topk_ids: Array, topk_weights: Array,
                             weights: Mapping[str, Array], residual: Array) -> Array:
     """The residual added by the kernel (no XLA op between layers) where dtypes agree."""
-    if residual.dtype != jnp.asarray(hidden_states).dtype or residual.shape != hidden_states.shape:
+    if residual.dtype != hidden_states.dtype:
       return super().apply_routed_residual(hidden_states, topk_ids, topk_weights, weights,
                                            residual)
     return self.apply_routed(hidden_states, topk_ids, topk_weights, weights, residual)

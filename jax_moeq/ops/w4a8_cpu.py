@@ -252,18 +252,16 @@ def _ffi_moe(x, topk_ids, topk_weights, w13_packed, w2_packed, *, H, I, group_si
   )
 
 
-def _batched_moe(static: dict, residual: bool):
+def _batched_moe(static: dict, num_token_args: int):
   """The op with a vmap rule (_token_batching): a batch of token sets sharing weights is one
-  bigger token set; per-batch weights fall back to a sequential map."""
-  if residual:
-    return fold_token_batches(
-        lambda x, topk_ids, topk_weights, res, w13_packed, w2_packed: _ffi_moe(
-            x, topk_ids, topk_weights, w13_packed, w2_packed, residual=res, **static),
-        num_token_args=4)
-  return fold_token_batches(
-      lambda x, topk_ids, topk_weights, w13_packed, w2_packed: _ffi_moe(
-          x, topk_ids, topk_weights, w13_packed, w2_packed, **static),
-      num_token_args=3)
+  bigger token set; per-batch weights fall back to a sequential map. Token arguments: x,
+  topk_ids, topk_weights and, when there are four, the residual."""
+  def call(*args):
+    (x, topk_ids, topk_weights, *residual), (w13_packed, w2_packed) = (
+        args[:num_token_args], args[num_token_args:])
+    return _ffi_moe(x, topk_ids, topk_weights, w13_packed, w2_packed,
+                    residual=residual[0] if residual else None, **static)
+  return fold_token_batches(call, num_token_args)
 
 
 def dynamic_4bit_int_moe(
@@ -321,4 +319,4 @@ def dynamic_4bit_int_moe(
   token_args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32))
   if residual is not None:
     token_args += (residual,)
-  return _batched_moe(static, residual is not None)(*token_args, w13_packed, w2_packed)
+  return _batched_moe(static, len(token_args))(*token_args, w13_packed, w2_packed)
