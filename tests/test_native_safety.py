@@ -352,8 +352,7 @@ def test_cpu_kernel_from_16_threads_under_thread_sanitizer(tmp_path):
 
 _JOBS_HARNESS = r"""
 // xla_ffi/cpu_jobs.h's ParallelFor on a pool of its own threads, as XLA's is: 4 callers at once,
-// 400 calls each of 1-300 pieces, workers spinning for later calls on every other call, woken by
-// the caller or in trees of fan-out 1 and 2 (every third call each). Every
+// 400 calls each of 1-300 pieces, workers spinning for later calls on every other call. Every
 // index must run exactly once per call, and ThreadSanitizer must see no race (a worker of an old
 // call touching a job that its thread has restarted, a body run after its call returned).
 #include <condition_variable>
@@ -423,7 +422,7 @@ int main() {
       for (int call = 0; call < kCalls; ++call) {
         const int64_t spin_us = call % 2 ? 2000 : 0;
         jax_moeq::cpu::ParallelFor parallel_for =
-            jax_moeq::ffi_cpu::MakeParallelFor(PoolRef{&pool}, 5, spin_us, call % 3);
+            jax_moeq::ffi_cpu::MakeParallelFor(PoolRef{&pool}, 5, spin_us);
         const int64_t n = 1 + (call * 37 + c * 11) % 300;
         std::vector<int> runs(n, 0);  // plain ints: two runs of one index would race
         parallel_for(n, [&](int64_t begin, int64_t end) {
@@ -451,9 +450,8 @@ int main() {
                     reason="ThreadSanitizer cannot run beside a preloaded AddressSanitizer")
 def test_parallel_for_with_spinning_workers_under_thread_sanitizer(tmp_path):
   """The handlers' ParallelFor (xla_ffi/cpu_jobs.h: seats per call generation, workers that wait
-  for later calls with JAX_MOEQ_CPU_SPIN_US, workers that wake others with
-  JAX_MOEQ_CPU_WAKE_FANOUT) under ThreadSanitizer, on a pool of its own: 4 callers at once, 400
-  calls each; every index runs once per call and no race is reported."""
+  for later calls with JAX_MOEQ_CPU_SPIN_US) under ThreadSanitizer, on a pool of its own: 4
+  callers at once, 400 calls each; every index runs once per call and no race is reported."""
   cxx = _cxx()
   (tmp_path / "jobs.cc").write_text(_JOBS_HARNESS)
   exe = tmp_path / "jobs"

@@ -171,25 +171,22 @@ def test_bit_identical_whatever_the_xla_thread_count(tmp_path):
   results, stats = {}, {}
   # "16/3": a pool of 16 with JAX_MOEQ_CPU_WORKERS=3 (at most 3 threads on one call); "16s":
   # a pool of 16 whose workers wait for the next call (JAX_MOEQ_CPU_SPIN_US), taking seats in
-  # calls of other threads; "16f": a pool of 16 woken in a tree (JAX_MOEQ_CPU_WAKE_FANOUT=2).
-  cases = (1, 2, 16, "16/3", "16s", "16f")
+  # calls of other threads.
+  cases = (1, 2, 16, "16/3", "16s")
   for n in cases:
     path = tmp_path / f"out{str(n).replace('/', '_')}.npz"
-    pool, _, cap = str(n).rstrip("sf").partition("/")
+    pool, _, cap = str(n).rstrip("s").partition("/")
     env = {"PJRT_NPROC": pool, "OUT_NPZ": str(path)}
     if cap:
       env["JAX_MOEQ_CPU_WORKERS"] = cap
     if str(n).endswith("s"):
       env["JAX_MOEQ_CPU_SPIN_US"] = "5000"
-    if str(n).endswith("f"):
-      env["JAX_MOEQ_CPU_WAKE_FANOUT"] = "2"
     stats[n] = json.loads(run_fresh(_DETERMINISM, env=env))
     with np.load(path) as f:
       results[n] = {k: f[k] for k in f.files}
   for n in cases:
-    assert stats[n]["pool"] == int(str(n).rstrip("sf").split("/")[0]), stats
-  for n in (16, "16f"):
-    assert stats[n]["busy"] > 2, f"the kernel's work did not reach the 16-thread pool: {stats}"
+    assert stats[n]["pool"] == int(str(n).rstrip("s").split("/")[0]), stats
+  assert stats[16]["busy"] > 2, f"the kernel's work did not reach the 16-thread pool: {stats}"
   base = results[1]
   for name, value in base.items():
     rep0 = name[:-2] + "_0" if name.startswith("op") else None
@@ -250,13 +247,6 @@ def test_spin_from_the_environment_is_checked(monkeypatch):
   on and off, back to back, and a value that is not an integer in [0, 1e6] is a clear error."""
   _check_setting(monkeypatch, "JAX_MOEQ_CPU_SPIN_US", ("0", "2000", "", "2000", "0"),
                  ("-1", "1000001", "fast", "20us", "5 "), "is not an integer", seed=5)
-
-
-def test_wake_fanout_from_the_environment_is_checked(monkeypatch):
-  """JAX_MOEQ_CPU_WAKE_FANOUT (read per call) wakes the workers in a tree: the same bytes for every
-  fan-out, and a value that is not an integer in [0, 1024] is a clear error."""
-  _check_setting(monkeypatch, "JAX_MOEQ_CPU_WAKE_FANOUT", ("0", "1", "2", "", "1024"),
-                 ("-1", "1025", "two", "2x", "2 "), "is not an integer", seed=6)
 
 
 # ------------------------------------------------------------------ concurrency
@@ -339,19 +329,17 @@ def _run_together(calls, rounds: int = 3):
 _CALLS = []
 
 
-@pytest.mark.parametrize("spin, fanout", [("", ""), ("3000", ""), ("", "1")])
+@pytest.mark.parametrize("spin", ["", "3000"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_concurrent_calls_match_serial(isa, spin, fanout, monkeypatch):
+def test_concurrent_calls_match_serial(isa, spin, monkeypatch):
   """8 threads at once (jitted op, fused_moe, QuantizedMoE block; T from 1 to 92; every dtype;
   router weight on input or output), 3 rounds: every result equals the serial call's bit for
   bit; also with workers that wait for the next call (JAX_MOEQ_CPU_SPIN_US) and so take seats
-  in other threads' calls, and with workers woken one by another (JAX_MOEQ_CPU_WAKE_FANOUT=1, the
-  deepest tree)."""
+  in other threads' calls."""
   if not _CALLS:  # built once: the jitted functions compile once for every path
     _CALLS.extend(_entry_point(i) for i in range(THREADS))
   calls = _CALLS
   monkeypatch.setenv("JAX_MOEQ_CPU_SPIN_US", spin)
-  monkeypatch.setenv("JAX_MOEQ_CPU_WAKE_FANOUT", fanout)
   with forced_isa(isa):
     serial = [np.asarray(c()) for c in calls]
     together = _run_together(calls)

@@ -1,7 +1,6 @@
 // The parallel_for behind the CPU handlers, apart from XLA (tests/test_native_safety.py builds it
 // under ThreadSanitizer with a pool of its own): pieces handed out dynamically to the caller and
-// the pool's workers, workers woken by the caller or in a tree, and, when asked, workers that wait
-// for the next call instead of sleeping.
+// the pool's workers, and, when asked, workers that wait for the next call instead of sleeping.
 #pragma once
 
 #include <algorithm>
@@ -47,7 +46,6 @@ class Job {
   uint64_t Start(int64_t n, int64_t chunks, int64_t workers,
                  const std::function<void(int64_t, int64_t)>* body) {
     n_ = n;
-    unscheduled_.store(0, std::memory_order_relaxed);
     chunks_ = chunks;
     grain_ = (n + chunks - 1) / chunks;
     workers_.store(workers, std::memory_order_relaxed);
@@ -73,18 +71,6 @@ class Job {
   }
   uint64_t Generation() const { return seats_.load(std::memory_order_acquire) >> kSeatBits; }
 
-  // Pool tasks of this call not yet scheduled: set by the caller before its first Schedule, taken
-  // one at a time by whoever schedules (the caller, or a seated worker: the call cannot end under
-  // it).
-  void SetUnscheduled(int64_t tasks) { unscheduled_.store(tasks, std::memory_order_relaxed); }
-  bool TakeUnscheduled() {
-    int64_t left = unscheduled_.load(std::memory_order_relaxed);
-    while (left > 0) {
-      if (unscheduled_.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) return true;
-    }
-    return false;
-  }
-
   // Runs pieces until none is left (a seated worker then Leaves).
   void Work() {
     for (;;) {
@@ -95,7 +81,6 @@ class Job {
     }
   }
   void Leave() { left_.fetch_add(1, std::memory_order_release); }
-  bool HasPieces() const { return next_.load(std::memory_order_relaxed) < chunks_; }
 
   // The caller, after its own Work: every piece done, no new seat, every seated worker gone
   // (then Start may reuse this job).
@@ -112,7 +97,7 @@ class Job {
   int64_t n_ = 0, chunks_ = 0, grain_ = 1;  // read only by seated threads (after Join)
   std::atomic<int64_t> workers_{0};
   const std::function<void(int64_t, int64_t)>* body_ = nullptr;
-  std::atomic<int64_t> next_{0}, done_{0}, left_{0}, unscheduled_{0};
+  std::atomic<int64_t> next_{0}, done_{0}, left_{0};
   std::atomic<uint64_t> seats_{0};
 };
 
@@ -158,33 +143,14 @@ class JobBoard {
   std::atomic<int64_t> spinning_{0};
 };
 
-// Schedules up to `fanout` of `job`'s unscheduled pool tasks (all of them when fanout <= 0). Each
-// task, once seated, first schedules up to `fanout` more: waking a sleeping pool thread costs its
-// waker a system call, so a tree of wakers brings the last worker in sooner than the caller's
-// serial wakes. Called only by the caller or a seated worker, so `pool` and `job` are live.
-template <typename Pool>
-void ScheduleWorkers(Pool& pool, Job* job, uint64_t gen, int64_t spin_ns, int64_t fanout) {
-  for (int64_t i = 0; fanout <= 0 || i < fanout; ++i) {
-    // (A worker seated after the last piece was taken wakes no one: the wake would be wasted.)
-    if (!job->HasPieces() || !job->TakeUnscheduled()) return;
-    pool.Schedule([pool, job, gen, spin_ns, fanout]() mutable {
-      if (!job->Join(gen)) return;
-      if (fanout > 0) ScheduleWorkers(pool, job, gen, spin_ns, fanout);
-      JobBoard::Get().Serve(job, spin_ns);
-    });
-  }
-}
-
 // A ParallelFor over `pool` (anything with Schedule(std::function<void()>)): `workers` threads
-// at most, the caller included; workers stay up to `spin_us` for later calls; `wake_fanout` > 0
-// wakes them in a tree of that fan-out (0: the caller schedules every one).
+// at most, the caller included; workers stay up to `spin_us` for later calls.
 template <typename Pool>
-cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us,
-                                 int64_t wake_fanout = 0) {
+cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us) {
   const int64_t threads = std::max<int64_t>(1, workers);
   const int64_t spin_ns = spin_us * 1000;
-  return [pool, threads, spin_ns, wake_fanout](
-             int64_t n, const std::function<void(int64_t, int64_t)>& body) mutable {
+  return [pool, threads, spin_ns](int64_t n,
+                                  const std::function<void(int64_t, int64_t)>& body) mutable {
     if (n <= 0) return;
     const int64_t workers = std::min(threads, n);
     if (workers <= 1) {
@@ -201,8 +167,12 @@ cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us,
       board.Post(&job);
       spinning = board.Spinning();
     }
-    job.SetUnscheduled(std::max<int64_t>(0, workers - 1 - spinning));
-    ScheduleWorkers(pool, &job, gen, spin_ns, wake_fanout);
+    Job* shared = &job;
+    for (int64_t w = 1 + spinning; w < workers; ++w) {
+      pool.Schedule([shared, gen, spin_ns]() {
+        if (shared->Join(gen)) JobBoard::Get().Serve(shared, spin_ns);
+      });
+    }
     job.Work();
     if (spin_ns > 0) board.Unpost(&job);
     job.Finish();

@@ -37,14 +37,10 @@ inline int64_t IntFromEnv(const char* name, int64_t fallback, int64_t lo, int64_
 // spread, and spinning workers hold pool threads that XLA's own ops may want.
 inline constexpr int64_t kDefaultSpinUs = 0;
 
-// JAX_MOEQ_CPU_WAKE_FANOUT's default: 0, the caller schedules every worker itself.
-inline constexpr int64_t kDefaultWakeFanout = 0;
-
 // The handlers' ParallelFor on XLA's pool, with the settings read per call:
 // JAX_MOEQ_CPU_WORKERS=N (at most N threads on one call, the caller included; default the pool's
-// size), JAX_MOEQ_CPU_SPIN_US=N (how long, in [0, 1e6] us, a worker waits for the next call) and
-// JAX_MOEQ_CPU_WAKE_FANOUT=N (N > 0: the caller wakes N workers and each woken one N more; 0: the
-// caller wakes them all). Sets *error on a bad value.
+// size) and JAX_MOEQ_CPU_SPIN_US=N (how long, in [0, 1e6] us, a worker waits for the next call).
+// Sets *error on a bad value.
 inline cpu::ParallelFor ParallelForFromEnv(xla::ffi::ThreadPool pool, std::string* error) {
   const int64_t pool_threads = pool.num_threads();
   const int64_t workers =
@@ -53,11 +49,7 @@ inline cpu::ParallelFor ParallelForFromEnv(xla::ffi::ThreadPool pool, std::strin
   if (!error->empty()) return {};
   const int64_t spin_us = IntFromEnv("JAX_MOEQ_CPU_SPIN_US", kDefaultSpinUs, 0, 1000000,
                                      "an integer in [0, 1000000]", error);
-  if (!error->empty()) return {};
-  const int64_t fanout = IntFromEnv("JAX_MOEQ_CPU_WAKE_FANOUT", kDefaultWakeFanout, 0, 1024,
-                                    "an integer in [0, 1024]", error);
-  if (!error->empty()) return {};
-  return MakeParallelFor(pool, workers, spin_us, fanout);
+  return MakeParallelFor(pool, workers, spin_us);
 }
 
 }  // namespace jax_moeq::ffi_cpu
