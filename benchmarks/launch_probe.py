@@ -4,8 +4,9 @@ share the machine's state. An experiment, not a benchmark: it replaces choose_ge
 decodes_without_alignment) while each variant traces. A variant is "s13.s2", or "auto" (the
 library's choice), optionally followed by "/aligned": the alignment path even where one token
 could skip it (decodes_without_alignment forced false), to compare the two paths in one process,
-"/kernels": the one-token path as separate kernels (choose_fused_decode forced false), or
-"/fused": the fused decode kernel wherever it fits (the automatic choice does not take it).
+"/kernels": the one-token path as the general GEMM kernels (neither the fused decode kernel nor
+the streaming kernels), or "/fused": the fused decode kernel wherever it fits (the automatic
+choice does not take it). "auto" at one token is the streaming kernels where they fit.
   python3 benchmarks/launch_probe.py wna16 Mixtral-8x7B 1 1.7 1.8
   python3 benchmarks/launch_probe.py mxint4 Qwen3-30B-A3B 1 auto auto/aligned auto/fused
 The ops: wna16, mxint4 and w4a8 (whose launch has none of these choices: "auto" only).
@@ -81,7 +82,7 @@ def forced(variant):
   """The variant's choices in force (jax.jit traces at a function's first call)."""
   splits, path = variant
   saved = (_gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment,
-           _gpu_launch.choose_fused_decode)
+           _gpu_launch.choose_fused_decode, _gpu_launch.choose_one_token_mainloop)
   try:
     if splits is not None:
       _gpu_launch.choose_gemm_splits = lambda *args, **kwargs: splits
@@ -89,6 +90,7 @@ def forced(variant):
       _gpu_launch.decodes_without_alignment = lambda *args, **kwargs: False
     if path == "kernels":
       _gpu_launch.choose_fused_decode = lambda *args, **kwargs: False
+      _gpu_launch.choose_one_token_mainloop = lambda mainloop_id, *args, **kwargs: mainloop_id
     if path == "fused":
       def fused_where_it_fits(requested, *, one_token, top_k, hidden, intermediate):
         del requested
@@ -97,7 +99,7 @@ def forced(variant):
     yield
   finally:
     (_gpu_launch.choose_gemm_splits, _gpu_launch.decodes_without_alignment,
-     _gpu_launch.choose_fused_decode) = saved
+     _gpu_launch.choose_fused_decode, _gpu_launch.choose_one_token_mainloop) = saved
 
 
 def main():

@@ -363,17 +363,25 @@ def run_w4a8(c: W4a8Case, check: bool) -> str:
 
 # ------------------------------------------------------------------ the variants
 VARIANTS = {
-    # WNA16, one token: no alignment, GEMM2 finalizes (block_m 8).
-    "wna16_decode": Wna16Case(t=1, expect_split13=False, expect_split2=False),
+    # WNA16, one token, the general GEMM kernels: no alignment, GEMM2 finalizes (block_m 8).
+    "wna16_decode": Wna16Case(t=1, mainloop="registers", expect_split13=False,
+                              expect_split2=False),
     # ... GEMM1 split-K: memset workspace, the last split per unit applies the activation;
     # GEMM2 split-K: atomics into the workspace GEMM1 cleared, the last warp finalizes.
     "wna16_decode_split": Wna16Case(t=1, h=1024, i=1024, zeros=True, bias=True,
-                                    expect_split13=True, expect_split2=True),
-    "wna16_decode_split2": Wna16Case(t=1, i=1024, expect_split13=False, expect_split2=True),
+                                    mainloop="registers", expect_split13=True,
+                                    expect_split2=True),
+    "wna16_decode_split2": Wna16Case(t=1, i=1024, mainloop="registers", expect_split13=False,
+                                     expect_split2=True),
+    # WNA16, one token, the streaming kernels (the automatic choice): shared-memory sums per CTA.
+    "wna16_stream": Wna16Case(t=1, h=1024, i=1024, bias=True, mainloop="stream"),
+    "wna16_stream_fp16_zeros": Wna16Case(t=1, dtype="float16", group=32, zeros=True,
+                                         activation=1, mainloop="stream"),
+    "wna16_stream_foreign_ids": Wna16Case(t=1, foreign_ids=True, mainloop="stream"),
     "wna16_fused_decode": Wna16Case(t=1, bias=True, fused_decode=True),
     "wna16_fused_decode_fp16": Wna16Case(t=1, dtype="float16", group=32, zeros=True,
                                          activation=1, fused_decode=True),
-    "wna16_decode_foreign_ids": Wna16Case(t=1, foreign_ids=True),
+    "wna16_decode_foreign_ids": Wna16Case(t=1, foreign_ids=True, mainloop="registers"),
     # Aligned path, every mma.sync block_m and main loop.
     "wna16_aligned_bm8_registers": Wna16Case(t=3, block_m=8, mainloop="registers"),
     "wna16_aligned_bm16_async_ring": Wna16Case(t=5, block_m=16, mainloop="async_ring",
@@ -415,13 +423,18 @@ VARIANTS = {
     "wna16_batched_split": Wna16Case(t=2, e=4, h=1024, batched=True, block_m=8),
     "wna16_batched_wgmma": Wna16Case(t=130, e=2, batched=True, block_m=128),
     # MxInt4: one token (routing, then the one-token GEMMs), DeepSeekV3 groups and bias.
-    "mxint4_decode": MxInt4Case(t=1),
-    "mxint4_decode_deepseek": MxInt4Case(t=1, method=int(RM.DeepSeekV3)),
+    "mxint4_decode": MxInt4Case(t=1, mainloop="async_ring"),
+    "mxint4_decode_deepseek": MxInt4Case(t=1, method=int(RM.DeepSeekV3), mainloop="async_ring"),
     "mxint4_decode_split": MxInt4Case(t=1, h=1024, i=1024, method=int(RM.DeepSeekV3),
-                                      expect_split13=True, expect_split2=True),
+                                      mainloop="async_ring", expect_split13=True,
+                                      expect_split2=True),
+    # ... the streaming kernels after the routing launch (the automatic choice).
+    "mxint4_stream_deepseek": MxInt4Case(t=1, h=1024, i=1024, method=int(RM.DeepSeekV3),
+                                         mainloop="stream"),
+    "mxint4_stream_ep": MxInt4Case(t=1, local=8, ep_rank=1, mainloop="stream"),
     "mxint4_fused_decode_deepseek": MxInt4Case(t=1, method=int(RM.DeepSeekV3),
                                                fused_decode=True),
-    "mxint4_decode_ep": MxInt4Case(t=1, local=8, ep_rank=1),
+    "mxint4_decode_ep": MxInt4Case(t=1, local=8, ep_rank=1, mainloop="async_ring"),
     # Many tokens: every routing method (Llama4 needs top_k 1).
     **{f"mxint4_routing_{m.name}": MxInt4Case(t=37, method=int(m), k=1 if m == RM.Llama4 else 4)
        for m in mxint4_gpu.SUPPORTED_ROUTING_METHODS},

@@ -100,6 +100,34 @@ def test_mainloop_names():
     launch.mainloop_code("pipelined")
 
 
+def test_stream_mainloop_only_on_the_one_token_path():
+  """mainloop="stream" (the one-token streaming kernels) is taken only where the one-token path
+  runs and the kernels fit the shapes; automatic choices keep their main loop; stream never splits
+  K (each CTA sums its K slices)."""
+  assert launch.mainloop_code("stream", 8) == launch.STREAM_MAINLOOP == 5
+  assert not launch.uses_wgmma(8, launch.STREAM_MAINLOOP)
+  assert launch.choose_gemm_splits(1, 2048, 768, 8, 8, launch.STREAM_MAINLOOP) == (1, 1)
+  shape = dict(top_k=8, hidden=2048, intermediate=768)
+  choose = launch.choose_one_token_mainloop
+  assert choose(5, "stream", one_token=True, fused=False, **shape) == 5
+  # Automatic: stream on the unfused one-token path where it fits, else the given main loop.
+  assert choose(0, None, one_token=True, fused=False, **shape) == 5
+  assert choose(1, None, one_token=True, fused=True, **shape) == 1
+  assert choose(3, None, one_token=False, fused=False, **shape) == 3
+  assert choose(0, None, one_token=True, fused=False, top_k=17, hidden=2048,
+                intermediate=768) == 0
+  assert choose(0, "registers", one_token=True, fused=False, **shape) == 0  # asked for: kept
+  with pytest.raises(ValueError, match="runs only on the one-token path"):
+    choose(5, "stream", one_token=False, fused=False, **shape)
+  with pytest.raises(ValueError, match="two different one-token paths"):
+    choose(5, "stream", one_token=True, fused=True, **shape)
+  with pytest.raises(ValueError, match="top_k in"):
+    choose(5, "stream", one_token=True, fused=False, top_k=17, hidden=2048, intermediate=768)
+  with pytest.raises(ValueError, match="too large"):
+    choose(5, "stream", one_token=True, fused=False, top_k=8, hidden=2048, intermediate=14336)
+  assert launch.stream_error(2, 4096, 14336) == ""  # Mixtral: 57 KB of activations
+
+
 def test_default_mainloop_follows_measurements():
   assert launch.default_mainloop("wna16", 8) == "registers"
   assert launch.default_mainloop("mxint4", 16) == "async_ring"

@@ -281,8 +281,8 @@ def test_wgmma_prefill(name, e, k, h, i, t):
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 @pytest.mark.parametrize("mainloop,fused_decode", [("registers", False), ("async_ring", False),
-                                                   (None, True)],
-                         ids=["registers", "async_ring", "fused"])
+                                                   (None, True), ("stream", False)],
+                         ids=["registers", "async_ring", "fused", "stream"])
 @pytest.mark.parametrize("h", [256, 2048])
 def test_one_token_decode_path(ranks, mainloop, fused_decode, h):
   """T = 1 takes the decode path without alignment (_gpu_launch.decodes_without_alignment): each
@@ -291,7 +291,8 @@ def test_one_token_decode_path(ranks, mainloop, fused_decode, h):
   expert parallelism a rank's foreign pairs are blocks that compute nothing but still count; a
   rank may hold none of the token's experts (output 0). Against the reference per rank, the
   ranks' sum against the full layer, and the aligned path (block_m 16). fused_decode: routing,
-  then the layer as one kernel (moe_int4_decode.cuh)."""
+  then the layer as one kernel (moe_int4_decode.cuh); stream: routing, then the two streaming
+  kernels (moe_int4_one_token.cuh)."""
   e, k, i = 16, 4, 1024
   local = e // ranks
   split13, _ = _gpu_launch.choose_gemm_splits(min(local, k), h, i, 8, k)
@@ -385,10 +386,12 @@ def test_routing_op_is_the_fused_ops_routing(method, t):
 
 
 @pytest.mark.parametrize("t", [1, 40])
-def test_one_slot_rows_equal_the_fused_ops_pairs(t):
+def test_one_slot_rows_equal_the_fused_ops_pairs(t, monkeypatch):
   """`HopperMxInt4Experts.apply_routed` (one slot a row, as expert parallelism's exchanged pairs
   run): the rows of a token's K pairs, summed in float32 in slot order and rounded once, give
-  the fused op's output bit for bit; a row with id -1 gives exactly 0."""
+  the fused op's output bit for bit on the general GEMM kernels; a row with id -1 gives exactly
+  0. At one token the op's automatic choice, the streaming kernels, sums each output's K slices
+  in another order: within a rounding of it."""
   from jax_moeq import dispatch
   from jax_moeq.oracle.base import RoutingOptions
   from jax_moeq.weights import Int4MoEWeights
@@ -400,7 +403,14 @@ def test_one_slot_rows_equal_the_fused_ops_pairs(t):
   assert experts.backend_name == "mxint4_gpu", experts
   arrays = experts.prepare(Int4MoEWeights(q13, s13, q2, s2, 32))
   x, logits, _ = _inputs(12 + t, t, e, h)
-  want = jax.jit(lambda x, l: experts.apply(x, l, arrays, routing_opts))(x, logits)
+  apply = lambda x, l: experts.apply(x, l, arrays, routing_opts)
+  automatic = jax.jit(apply)(x, logits)
+  # The general kernels at one token too (the streaming kernels' choice undone while tracing).
+  monkeypatch.setattr(_gpu_launch, "choose_one_token_mainloop",
+                      lambda mainloop_id, *args, **kwargs: mainloop_id)
+  want = jax.jit(apply)(x, logits)
+  monkeypatch.undo()
+  assert _rel(automatic, want) <= 2.0**-8
   w, ids = jax.jit(lambda l: experts.route(l, routing_opts))(logits)
   rows = jnp.repeat(x, k, axis=0)
   row_ids = ids.reshape(-1, 1).at[0, 0].set(-1)  # one dropped pair

@@ -393,25 +393,31 @@ ONE_TOKEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused_decode", [False, True], ids=["kernels", "fused"])
+# The one-token forms: the GEMM kernels, the one fused decode kernel (moe_int4_decode.cuh: GEMM1's
+# warps meet in shared f32 sums, a grid barrier, GEMM2 from shared memory) and the two streaming
+# kernels (mainloop "stream", moe_int4_one_token.cuh: each CTA sums its K slices in shared
+# memory in a fixed order).
+ONE_TOKEN_PATHS = {"kernels": dict(mainloop="registers"), "fused": dict(fused_decode=True),
+                   "stream": dict(mainloop="stream")}
+
+
+@pytest.mark.parametrize("path", sorted(ONE_TOKEN_PATHS))
 @pytest.mark.parametrize("case", ONE_TOKEN_CASES, ids=_case_id)
-def test_one_token_decode_path(case, fused_decode):
-  """Both one-token forms: the GEMM kernels (fused_decode=False) and the one fused decode kernel
-  (moe_int4_decode.cuh: GEMM1's warps meet in shared f32 sums, a grid barrier, GEMM2 from shared
-  memory)."""
+def test_one_token_decode_path(case, path):
   from jax_moeq.ops import _gpu_launch
   t, e, k, h, i = case[:5]
   busy = _gpu_launch.expected_busy_blocks(t * k, e, 8)
   split13, _ = _gpu_launch.choose_gemm_splits(busy, h, i, 8, t * k)
   assert _gpu_launch.decodes_without_alignment(t, 8)
   assert (split13 > 1) == (h >= 1024)  # the cases above cover both GEMM1 forms
-  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, fused_decode=fused_decode)
-  tol = _rounding_tol(case[6]) if fused_decode or case[5] == 32 else TOL
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, **ONE_TOKEN_PATHS[path])
+  tol = _rounding_tol(case[6]) if path != "kernels" or case[5] == 32 else TOL
   assert _rel(got, want) <= tol, f"rel. Frobenius error {_rel(got, want):.3e}"
-  if fused_decode:
-    # The fused kernel dequantizes as MmaChunk (each weight rounded to the dtype) at every group
-    # size, while the GEMM kernels fold groups of >= 64 inputs (q s unrounded, 2^-9 relative off
-    # per bf16 weight): so compared with the reference only, not with the aligned path.
+  if path != "kernels":
+    # The fused and streaming kernels dequantize as MmaChunk (each weight rounded to the dtype)
+    # at every group size, while the GEMM kernels fold groups of >= 64 inputs (q s unrounded,
+    # 2^-9 relative off per bf16 weight): so compared with the reference only, not with the
+    # aligned path.
     return
   # The aligned path (block_m 16) on the same inputs: same products; only the split GEMMs' f32
   # atomics add in another order, which moves a rounding point by at most one ulp of the dtype
@@ -434,6 +440,20 @@ FUSED_DECODE_CASES = [
 
 
 @pytest.mark.parametrize("case", FUSED_DECODE_CASES, ids=_case_id)
+def test_stream_model_shapes(case):
+  """The streaming kernels on the model shapes: against the reference at the rounding tolerance,
+  and run to run bit-identical (no atomics: every sum in a fixed order), jitted or not."""
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, mainloop="stream")
+  err = _rel(got, want)
+  assert err <= _rounding_tol(case[6]), f"rel. Frobenius error {err:.3e}"
+  run = functools.partial(wna16_gpu.fused_marlin_moe, activation_kind=case[10], mainloop="stream")
+  again = [np.asarray(f(x, weights, topk_w, topk_ids).astype(jnp.float32))
+           for f in (run, jax.jit(run), jax.jit(run))]
+  for out in again:
+    np.testing.assert_array_equal(out, got)
+
+
+@pytest.mark.parametrize("case", FUSED_DECODE_CASES, ids=_case_id)
 def test_fused_decode_model_shapes(case):
   got, want, (x, weights, topk_w, topk_ids) = _run_case(case, fused_decode=True)
   err = _rel(got, want)
@@ -443,10 +463,10 @@ def test_fused_decode_model_shapes(case):
   assert _rel(got, kernels.astype(jnp.float32)) <= TOL
 
 
-@pytest.mark.parametrize("fused_decode", [False, True], ids=["kernels", "fused"])
+@pytest.mark.parametrize("path", sorted(ONE_TOKEN_PATHS))
 @pytest.mark.parametrize("ids", [[[3, 99]], [[5, 5]], [[-1, 200]]],
                          ids=["foreign", "repeated", "none_local"])
-def test_one_token_odd_ids(ids, fused_decode):
+def test_one_token_odd_ids(ids, path):
   """The decode path's blocks with an out-of-range expert compute nothing but still count for the
   finalize; a repeated expert is two blocks. Poisoned output: every column is written."""
   weights, (w13, w2, b13, b2) = _build(15, 8, 256, 1024, 128, jnp.bfloat16, bias=True)
@@ -455,7 +475,7 @@ def test_one_token_odd_ids(ids, fused_decode):
   x = jax.random.normal(jax.random.PRNGKey(16), (1, 256), jnp.float32).astype(jnp.bfloat16)
   poison = jnp.full((1, 256), jnp.nan, jnp.bfloat16)
   got = np.asarray(wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, out_init=poison,
-                                              fused_decode=fused_decode).astype(jnp.float32))
+                                              **ONE_TOKEN_PATHS[path]).astype(jnp.float32))
   assert np.isfinite(got).all(), "unwritten (NaN) output elements"
   want = np.asarray(_reference_standard(x, topk_ids, topk_w, w13, w2, b13, b2, kind=0,
                                         dtype=jnp.bfloat16).astype(jnp.float32))
@@ -552,6 +572,11 @@ def test_bad_input_raises_python_errors():
     wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, block_m=24)
   with pytest.raises(ValueError, match="one-token path"):
     wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, fused_decode=True)
+  with pytest.raises(ValueError, match="mainloop='stream' runs only on the one-token path"):
+    wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, mainloop="stream")
+  with pytest.raises(ValueError, match="two different one-token paths"):
+    wna16_gpu.fused_marlin_moe(x[:1], weights, topk_w[:1], topk_ids[:1], mainloop="stream",
+                               fused_decode=True)
   # The handler's checks: w13 handed over as w2 (wrong shape for the attributes).
   from jax_moeq import _ffi
   from jax_moeq.ops import _gpu_launch
@@ -566,20 +591,23 @@ def test_bad_input_raises_python_errors():
   call = jax.ffi.ffi_call(wna16_gpu.FFI_TARGET, results)
   w = weights
 
-  def handler(w13, fused_decode):
+  def handler(w13, fused_decode, mainloop=0):
     return jax.block_until_ready(call(
         x, topk_ids, topk_w, w13, w.w13_scales, w.w13_zeros, w.w13_bias, w.w2, w.w2_scales,
         w.w2_zeros, w.w2_bias, w.w13_perm, w.w2_inv_perm, batched=False,
         hidden_size=np.int64(h), intermediate_size=np.int64(i), groups13=np.int64(h // 64),
         groups2=np.int64(i // 64), block_m=np.int64(8), split13=np.int64(1),
         split2=np.int64(1), activation_kind=np.int64(0), has_zeros=False, has_bias=False,
-        act_order=False, mainloop=np.int64(0), one_token=False, fused_decode=fused_decode))
+        act_order=False, mainloop=np.int64(mainloop), one_token=False, fused_decode=fused_decode))
 
   with pytest.raises(Exception, match="w13 has shape"):
     handler(w.w2, False)
   # fused_decode without the one-token path (a call bypassing Python's choice): refused.
   with pytest.raises(Exception, match="fused_decode needs the one_token path"):
     handler(w.w13, True)
+  # The streaming kernels without the one-token path: refused too.
+  with pytest.raises(Exception, match="runs only on the one-token decode path"):
+    handler(w.w13, False, mainloop=_gpu_launch.STREAM_MAINLOOP)
 
 
 def test_jit_matches_eager():

@@ -40,7 +40,9 @@ enum class EpilogueKind {
 // kWgmmaWs: the same GEMM as a persistent kernel whose producer warpgroup fills the stage ring
 //           for two MMA warpgroups (moe_int4_wgmma_ws.cuh).
 enum class GemmMainloop : int {
-  kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2, kWgmma = 3, kWgmmaWs = 4
+  kRegisters = 0, kAsyncRing = 1, kBulkCopy = 2, kWgmma = 3, kWgmmaWs = 4,
+  // Not a GEMM main loop: a one-token call's two streaming kernels (moe_int4_one_token.cuh).
+  kOneTokenStream = 5
 };
 
 struct MoeGemmArgs {

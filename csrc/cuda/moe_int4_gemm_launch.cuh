@@ -67,15 +67,19 @@ inline bool UsesWgmma(int block_m, int mainloop) {
 }
 
 // The launch attributes both ops accept: block_m 8..64 (mma.sync) or 128 (wgmma, no split-K),
-// split factors >= 1, a GemmMainloop code (a wgmma one: block_m 32, 64 or 128, no split-K). Empty
-// string when fine.
-inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, int mainloop) {
+// split factors >= 1, a GemmMainloop code (a wgmma one: block_m 32, 64 or 128, no split-K; the
+// one-token streaming kernels: only on the one-token path). Empty string when fine.
+inline std::string ValidateMoeGemmLaunch(int block_m, int split13, int split2, int mainloop,
+                                         bool one_token = false) {
   if (block_m != 8 && block_m != 16 && block_m != 32 && block_m != 64 && block_m != kWgmmaBlockM) {
     return "block_m must be 8, 16, 32, 64 or 128";
   }
-  if (mainloop < 0 || mainloop > 4) {
-    return "mainloop must be 0 (registers), 1 (async ring), 2 (bulk copy), 3 (wgmma) or 4 "
-           "(wgmma_ws)";
+  if (mainloop < 0 || mainloop > 5) {
+    return "mainloop must be 0 (registers), 1 (async ring), 2 (bulk copy), 3 (wgmma), 4 "
+           "(wgmma_ws) or 5 (stream)";
+  }
+  if (mainloop == static_cast<int>(GemmMainloop::kOneTokenStream) && !one_token) {
+    return "the stream main loop (mainloop 5) runs only on the one-token decode path";
   }
   if (IsWgmmaMainloop(mainloop) && block_m < 32) {
     return "the wgmma main loops take block_m 32, 64 or 128";

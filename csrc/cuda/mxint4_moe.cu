@@ -7,6 +7,7 @@
 #include "cuda/moe_int4_decode.cuh"
 #include "cuda/moe_int4_gemm.cuh"
 #include "cuda/moe_int4_gemm_launch.cuh"
+#include "cuda/moe_int4_one_token.cuh"
 #include "cuda/mxint4_moe.h"
 
 namespace jax_moeq::cuda {
@@ -138,7 +139,7 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
       !ScaleWordsFitInt32(p.intermediate / kGroupSize, p.hidden)) {
     return "scale groups x outputs of one expert must stay below 2^32 (32-bit offsets)";
   }
-  if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop);
+  if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop, p.one_token);
       !err.empty()) {
     return err;
   }
@@ -146,6 +147,12 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
     return "one_token (the decode path without alignment) needs one token and block_m 8";
   }
   if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
+  if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
+    if (p.fused_decode) return "fused_decode and the stream main loop are two different one-token paths";
+    if (std::string err = OneTokenLayerError(p.top_k, p.hidden, p.intermediate, 2); !err.empty()) {
+      return err;
+    }
+  }
   if (!MoeRowsFitInt32(p.tokens * p.top_k, std::max<int64_t>(p.hidden, 2 * p.intermediate))) {
     return "problem too large for 32-bit row indexing: rows (T * K = " +
            std::to_string(p.tokens * p.top_k) +
@@ -171,6 +178,29 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   err = RunMxInt4Routing(p, stream, zero13_in_routing ? p.ws13 : nullptr,
                          zero13_in_routing ? MxInt4MoeWs13Floats(p) : 0);
   if (!err.empty()) return err;
+
+  // One token, the stream main loop: GEMM1 with the activation, GEMM2 with the reduction.
+  if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
+    OneTokenArgs a;
+    a.x = p.x;
+    a.pair_experts = p.local_ids;
+    a.topk_weights = p.topk_weights;
+    a.experts = L;
+    a.top_k = static_cast<int>(p.top_k);
+    a.hidden = H;
+    a.inter = I;
+    a.groups13 = H / kGroupSize;
+    a.groups2 = I / kGroupSize;
+    a.w13 = static_cast<const uint4*>(p.w13);
+    a.s13 = static_cast<const uint32_t*>(p.s13);
+    a.w2 = static_cast<const uint4*>(p.w2);
+    a.s2 = static_cast<const uint32_t*>(p.s2);
+    a.activation = 0;
+    a.act = p.act;
+    a.out = p.out;
+    a.experts_from_prior_kernel = true;
+    return LaunchOneTokenLayer<Bf16, NibbleCode::kSignedInt4>(a, stream);
+  }
 
   // One token whose pairs' weights fit the GPU's shared memory: the rest in one kernel.
   if (p.fused_decode) {

@@ -6,6 +6,7 @@
 #include "cuda/moe_int4_decode.cuh"
 #include "cuda/moe_int4_gemm.cuh"
 #include "cuda/moe_int4_gemm_launch.cuh"
+#include "cuda/moe_int4_one_token.cuh"
 #include "cuda/wna16_moe.h"
 
 namespace jax_moeq::cuda {
@@ -89,6 +90,32 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int64_t max_blocks = Wna16MoeMaxBlocks(p);
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts);
+
+  // One token, the stream main loop: GEMM1 with the activation, GEMM2 with the reduction.
+  if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
+    OneTokenArgs a;
+    a.x = p.x;
+    a.pair_experts = p.topk_ids;
+    a.topk_weights = p.topk_weights;
+    a.experts = E;
+    a.top_k = static_cast<int>(p.top_k);
+    a.hidden = H;
+    a.inter = I;
+    a.groups13 = static_cast<int>(p.groups13);
+    a.groups2 = static_cast<int>(p.groups2);
+    a.w13 = static_cast<const uint4*>(p.w13);
+    a.s13 = static_cast<const uint32_t*>(p.s13);
+    a.z13 = p.has_zeros ? static_cast<const uint32_t*>(p.z13) : nullptr;
+    a.b13 = p.has_bias ? p.b13 : nullptr;
+    a.w2 = static_cast<const uint4*>(p.w2);
+    a.s2 = static_cast<const uint32_t*>(p.s2);
+    a.z2 = p.has_zeros ? static_cast<const uint32_t*>(p.z2) : nullptr;
+    a.b2 = p.has_bias ? p.b2 : nullptr;
+    a.activation = p.activation;
+    a.act = p.act;
+    a.out = p.out;
+    return LaunchOneTokenLayer<T, NibbleCode::kUint4b8>(a, stream);
+  }
 
   // One token whose pairs' weights fit the GPU's shared memory: the whole layer in one kernel.
   if (p.fused_decode) {
@@ -290,7 +317,8 @@ int64_t Wna16MoeWs2Floats(const Wna16MoeProblem& p) {
 }
 
 std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
-  if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop);
+  if (std::string err =
+          ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop, p.one_token);
       !err.empty()) {
     return err;
   }
@@ -299,6 +327,9 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
            "no act-order and block_m 8";
   }
   if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
+  if (p.fused_decode && p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
+    return "fused_decode and the stream main loop are two different one-token paths";
+  }
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
     return "intermediate size must be a positive multiple of 64";
@@ -321,6 +352,11 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
   }
   if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
   if (p.top_k < 1) return "top_k must be >= 1";
+  if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
+    if (std::string err = OneTokenLayerError(p.top_k, p.hidden, p.intermediate, 2); !err.empty()) {
+      return err;
+    }
+  }
   if (!MoeRowsFitInt32(Wna16MoeRows(p), std::max<int64_t>(p.hidden, 2 * p.intermediate))) {
     return "problem too large for 32-bit row indexing: rows (" +
            std::string(p.batched ? "E * M" : "T * K") + " = " + std::to_string(Wna16MoeRows(p)) +

@@ -48,7 +48,17 @@ SATURATING_FRACTION = 0.5
 #     per SM (two with the 32-token tile), whose producer warpgroup fills the stage ring for two
 #     MMA warpgroups (MoeInt4WgmmaWsKernel, csrc/cuda/moe_int4_wgmma_ws.cuh); measured slower
 #     than "wgmma" (docs/performance.md), never chosen.
-MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2, "wgmma": 3, "wgmma_ws": 4}
+#   "stream": not a GEMM main loop but the one-token path's two streaming kernels (GEMM1 with the
+#     activation, GEMM2 with the top-k reduction; csrc/cuda/moe_int4_one_token.cuh): every warp
+#     keeps eight 16-byte weight loads per lane in flight, and each CTA sums its K slices in shared
+#     memory in a fixed order (no split-K atomics, no alignment or finalize launch). One-token
+#     calls only (`choose_one_token_mainloop`).
+MAINLOOPS = {"registers": 0, "async_ring": 1, "bulk_copy": 2, "wgmma": 3, "wgmma_ws": 4,
+             "stream": 5}
+STREAM_MAINLOOP = MAINLOOPS["stream"]
+STREAM_MAX_TOP_K = 16  # kOneTokenMaxTopK of csrc/cuda/moe_int4_one_token.cuh
+STREAM_MAX_SMEM_BYTES = 200 * 1024  # kOneTokenMaxSmemBytes
+STREAM_MAX_WARPS2 = 24  # kOneTokenMaxWarps2
 WGMMA_MAINLOOPS = ("wgmma", "wgmma_ws")
 _WGMMA_MAINLOOP_IDS = tuple(MAINLOOPS[name] for name in WGMMA_MAINLOOPS)
 WGMMA_MAINLOOP_BLOCK_MS = (32, 64, 128)
@@ -73,6 +83,45 @@ def mainloop_code(mainloop: str | None, block_m: int | None = None) -> int:
   if name in WGMMA_MAINLOOPS and block_m is not None and block_m not in WGMMA_MAINLOOP_BLOCK_MS:
     raise ValueError(f"the {name} main loop takes block_m {WGMMA_MAINLOOP_BLOCK_MS}, got {block_m}")
   return MAINLOOPS[name]
+
+
+def stream_error(top_k: int, hidden: int, intermediate: int, elem_bytes: int = 2) -> str:
+  """Why the one-token streaming kernels cannot take a call of these shapes ("" when they can;
+  OneTokenLayerError in csrc/cuda/moe_int4_one_token.cuh, which the FFI handler checks again)."""
+  if not 1 <= top_k <= STREAM_MAX_TOP_K:
+    return f"the stream main loop takes top_k in [1, {STREAM_MAX_TOP_K}], got {top_k}"
+  smem = (_align16(top_k * intermediate * elem_bytes) + STREAM_MAX_WARPS2 * 64
+          + STREAM_MAX_TOP_K * 8)
+  if smem > STREAM_MAX_SMEM_BYTES or hidden * elem_bytes > STREAM_MAX_SMEM_BYTES:
+    return (f"the stream main loop stages top_k x I and H activations in shared memory: top_k "
+            f"{top_k} x I {intermediate} is too large")
+  return ""
+
+
+def choose_one_token_mainloop(mainloop_id: int, requested: str | None, *, one_token: bool,
+                              fused: bool, top_k: int, hidden: int, intermediate: int) -> int:
+  """The main-loop code a call runs with once its one-token path is known (`fused`: the fused
+  decode kernel was chosen). Automatic (`requested` None): the streaming kernels wherever the
+  one-token path runs unfused and they take the shapes, else `mainloop_id`. "stream" asked for
+  needs all of that (ValueError naming what is missing); any other request is kept.
+
+  Measured (H200, 2026-11-28, gpu_moe_bench / mxint4_bench --tokens 1, one process, us per layer
+  in the 8-layer jit, general one-token kernels -> stream): WNA16 Qwen3-30B-A3B 22.2 -> 19.6,
+  DeepSeek-V2-Lite 34.8 -> 21.5, Mixtral 78.7 -> 73.9; MxInt4 31.2 -> 21.3, 27.5 -> 24.8,
+  89.0 -> 80.3."""
+  if requested is not None and requested != "stream":
+    return mainloop_id
+  error = stream_error(top_k, hidden, intermediate)
+  if requested is None:
+    return STREAM_MAINLOOP if one_token and not fused and not error else mainloop_id
+  if not one_token:
+    raise ValueError("mainloop='stream' runs only on the one-token path: one token, the standard "
+                     "format, no act-order and block_m 8")
+  if fused:
+    raise ValueError("fused_decode=True and mainloop='stream' are two different one-token paths")
+  if error:
+    raise ValueError(f"mainloop='stream': {error}")
+  return STREAM_MAINLOOP
 
 
 def uses_wgmma(block_m: int, mainloop_id: int) -> bool:
@@ -215,9 +264,9 @@ def choose_gemm_splits(busy_blocks: int, hidden: int, intermediate: int, block_m
                        ) -> tuple[int, int]:
   """(split13, split2) of one call's GEMMs: GEMM1 has intermediate / 16 warp units along N and
   hidden / 64 chunks along K, plus an f32 [pairs, 2I] workspace when split; GEMM2 has hidden / 32
-  units and intermediate / 64 chunks. (1, 1) in deterministic mode and for the wgmma GEMM, which
-  does not split K."""
-  if deterministic() or uses_wgmma(block_m, mainloop_id):
+  units and intermediate / 64 chunks. (1, 1) in deterministic mode, for the wgmma GEMM, which
+  does not split K, and for the one-token streaming kernels, which sum K slices in each CTA."""
+  if deterministic() or uses_wgmma(block_m, mainloop_id) or mainloop_id == STREAM_MAINLOOP:
     return 1, 1
   split13 = choose_split(busy_blocks, intermediate // 16, hidden // 64, block_m,
                          pairs * 2 * intermediate * 4)

@@ -361,6 +361,9 @@ def _mxint4_ffi(x, router_logits, out_init, w13_packed, w13_scale, w2_packed, w2
   one_token = _gpu_launch.decodes_without_alignment(t, block_m)
   fused = _gpu_launch.choose_fused_decode(fused_decode, one_token=one_token, top_k=top_k,
                                           hidden=h, intermediate=i)
+  mainloop_id = _gpu_launch.choose_one_token_mainloop(
+      mainloop_id, mainloop, one_token=one_token, fused=fused, top_k=top_k, hidden=h,
+      intermediate=i)
   results = [
       jax.ShapeDtypeStruct((t, h), jnp.bfloat16),         # out
       jax.ShapeDtypeStruct((t, top_k), jnp.int32),        # topk_ids
@@ -426,9 +429,10 @@ def mxint4_moe(x: Array, router_logits: Array, w13_packed: Array, w13_scale: Arr
       routing density (_gpu_launch.choose_block_m: 8, or the wgmma GEMM's 32-, 64- or 128-token
       tile).
     out_init: optional [T, H] bf16 buffer aliased to the output (tests poison it).
-    mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS); None picks the measured-fastest for
-      the block_m ("async_ring" up to block_m 16; "wgmma" where block_m 32 or 64 was chosen for
-      the pairs per expert; else "registers").
+    mainloop: GEMM main loop (see _gpu_launch.MAINLOOPS), or "stream" (one token: routing, then
+      two streaming kernels); None picks the measured-fastest: "stream" for one token where it
+      fits, else for the block_m ("async_ring" up to block_m 16; "wgmma" where block_m 32 or 64
+      was chosen for the pairs per expert; else "registers").
     fused_decode: True runs a one-token call as routing then the single fused decode kernel
       (its pairs' weights must fit the SMs' shared memory, else ValueError); None / False: the
       one-token path's separate kernels (measured faster so far,

@@ -353,8 +353,11 @@ def _call(x, route_ids, route_weights, weights: Wna16MoeWeights, *, batched: boo
   # The one-token decode path: decided here, checked again by the FFI handler.
   one_token = _gpu_launch.decodes_without_alignment(x.shape[0], block_m, batched=batched,
                                                     act_order=weights.act_order)
+  top_k = 0 if batched else route_ids.shape[1]
   fused = _gpu_launch.choose_fused_decode(
-      fused_decode, one_token=one_token, top_k=0 if batched else route_ids.shape[1], hidden=h,
+      fused_decode, one_token=one_token, top_k=top_k, hidden=h, intermediate=i)
+  mainloop_id = _gpu_launch.choose_one_token_mainloop(
+      mainloop_id, mainloop, one_token=one_token, fused=fused, top_k=top_k, hidden=h,
       intermediate=i)
   dt = x.dtype
   out_shape = x.shape
@@ -419,8 +422,10 @@ def fused_marlin_moe(x: Array, weights: Wna16MoeWeights, topk_weights: Array, to
       tile).
     out_init: optional buffer aliased to the output (tests poison it with NaN).
     mainloop: GEMM main loop, "registers", "async_ring", "bulk_copy" or "wgmma" (block_m 32,
-      64 or 128; see `_gpu_launch.MAINLOOPS`). None: the measured-fastest for the block_m
-      (`_gpu_launch.default_mainloop`: "wgmma" where block_m 32 or 64 was chosen for the pairs
+      64 or 128; see `_gpu_launch.MAINLOOPS`), or "stream": a one-token call as two streaming
+      kernels (deterministic; ValueError off the one-token path). None: the measured-fastest
+      ("stream" for one token where it fits, `_gpu_launch.choose_one_token_mainloop`; else
+      `_gpu_launch.default_mainloop`: "wgmma" where block_m 32 or 64 was chosen for the pairs
       per expert, else "registers").
     fused_decode: True runs a one-token call as the single fused decode kernel (its pairs'
       weights must fit the SMs' shared memory, else ValueError); None / False: the one-token
