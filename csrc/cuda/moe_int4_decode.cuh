@@ -38,6 +38,7 @@
 #include <string>
 
 #include "cuda/moe_int4_gemm.cuh"
+#include "cuda/moe_int4_one_token.cuh"
 
 namespace jax_moeq::cuda {
 
@@ -118,25 +119,8 @@ inline std::string DecodeLayerPlanError(const DecodeLayerPlan& p, int max_smem) 
   return "";
 }
 
-struct DecodeLayerArgs {
-  const void* x = nullptr;               // [H] T: the token
-  const int32_t* pair_experts = nullptr;  // [K]: expert of pair k; out of [0, experts): nothing
-  int experts = 0;
-  const float* topk_weights = nullptr;   // [K]
-  int top_k = 1, hidden = 0, inter = 0;
-  int group1 = 0, group2 = 0;            // scale group sizes (elements) along H and along I
-  FastDiv group1_div, group2_div;        // element index -> group (SetDecodeGroups)
-  const uint4* w13 = nullptr;            // [E][2I/16][H/64][32]
-  const uint32_t* s13 = nullptr;         // [E][H/group1][2I/16][8]
-  const uint32_t* z13 = nullptr;         // same, zero points, or null (zero point 8)
-  const float* b13 = nullptr;            // [E][2I] or null
-  const uint4* w2 = nullptr;             // [E][H/16][I/64][32]
-  const uint32_t* s2 = nullptr;          // [E][I/group2][H/16][8]
-  const uint32_t* z2 = nullptr;
-  const float* b2 = nullptr;             // [E][H] or null
-  int activation = 0;
-  void* act = nullptr;                   // [K][I] T scratch
-  void* out = nullptr;                   // [H] T
+// The layer (OneTokenLayer, its groups set by SetOneTokenGroups) and the launch's plan.
+struct DecodeLayerArgs : OneTokenLayer {
   DecodeLayerPlan plan;                  // filled by LaunchDecodeLayer
   // Profiling only (JAX_MOEQ_DECODE_STOP_AFTER, DecodeStopAfter): end the kernel after phase
   // 1 (every weight byte landed), 2 (GEMM1) or 3 (the grid barrier), leaving the output unwritten;
@@ -152,13 +136,6 @@ inline int DecodeStopAfter() {
     return v == nullptr ? 0 : std::atoi(v);
   }();
   return stop;
-}
-
-inline void SetDecodeGroups(DecodeLayerArgs& a, int group1, int group2) {
-  a.group1 = group1;
-  a.group2 = group2;
-  a.group1_div = MakeFastDiv(static_cast<uint32_t>(group1));
-  a.group2_div = MakeFastDiv(static_cast<uint32_t>(group2));
 }
 
 __device__ __forceinline__ bool ExpertInRange(int e, int experts) { return e >= 0 && e < experts; }

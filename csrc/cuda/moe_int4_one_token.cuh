@@ -30,24 +30,37 @@
 
 namespace jax_moeq::cuda {
 
-struct OneTokenArgs {
-  const void* x = nullptr;              // [H] T
-  const int32_t* pair_experts = nullptr;  // [K]: expert of each pair (outside [0, E): skipped)
-  const float* topk_weights = nullptr;  // [K]
-  int experts = 0, top_k = 1, hidden = 0, inter = 0;
-  int groups13 = 1, groups2 = 1;
-  FastDiv per_group13, per_group2;      // input index -> scale group (LaunchOneTokenLayer sets)
-  const uint4* w13 = nullptr;           // [E][2I/16][H/64][32]
-  const uint32_t* s13 = nullptr;        // [E][G13][2I/16][8]
-  const uint32_t* z13 = nullptr;        // same layout, or null (zero point 8)
-  const float* b13 = nullptr;           // [E][2I] or null
-  const uint4* w2 = nullptr;            // [E][H/16][I/64][32]
-  const uint32_t* s2 = nullptr;
+// A one-token layer's operands, as both one-token launch forms take them: the streaming kernels
+// here and the fused decode kernel (DecodeLayerArgs, moe_int4_decode.cuh).
+struct OneTokenLayer {
+  const void* x = nullptr;               // [H] T: the token
+  const int32_t* pair_experts = nullptr;  // [K]: expert of pair k; out of [0, experts): nothing
+  int experts = 0;
+  const float* topk_weights = nullptr;   // [K]
+  int top_k = 1, hidden = 0, inter = 0;
+  int group1 = 0, group2 = 0;            // scale group sizes (elements) along H and along I
+  FastDiv group1_div, group2_div;        // element index -> group (SetOneTokenGroups)
+  const uint4* w13 = nullptr;            // [E][2I/16][H/64][32]
+  const uint32_t* s13 = nullptr;         // [E][H/group1][2I/16][8]
+  const uint32_t* z13 = nullptr;         // same, zero points, or null (zero point 8)
+  const float* b13 = nullptr;            // [E][2I] or null
+  const uint4* w2 = nullptr;             // [E][H/16][I/64][32]
+  const uint32_t* s2 = nullptr;          // [E][I/group2][H/16][8]
   const uint32_t* z2 = nullptr;
-  const float* b2 = nullptr;            // [E][H] or null
+  const float* b2 = nullptr;             // [E][H] or null
   int activation = 0;
-  void* act = nullptr;                  // [K][I] T (scratch)
-  void* out = nullptr;                  // [H] T
+  void* act = nullptr;                   // [K][I] T scratch
+  void* out = nullptr;                   // [H] T
+};
+
+inline void SetOneTokenGroups(OneTokenLayer& a, int group1, int group2) {
+  a.group1 = group1;
+  a.group2 = group2;
+  a.group1_div = MakeFastDiv(static_cast<uint32_t>(group1));
+  a.group2_div = MakeFastDiv(static_cast<uint32_t>(group2));
+}
+
+struct OneTokenArgs : OneTokenLayer {
   int slices2 = 1;                      // GEMM2 warps per pair (LaunchOneTokenLayer sets)
   // The pairs' experts come from an earlier kernel of the op (MxInt4's routing): GEMM1 follows it
   // with the dependent launch, and GEMM2 reads them only after its wait. Else (WNA16's topk_ids,
@@ -184,12 +197,12 @@ __global__ void __launch_bounds__(kOneTokenWarps1 * 32, 3) OneTokenGemm1Kernel(O
   for (int j = 0; j < 2; ++j) {
     wp[j] = p.w13 + (static_cast<int64_t>(expert) * n_sub + sub[j]) * chunks * 32 + lane;
   }
-  const int64_t scale_base = static_cast<int64_t>(expert) * p.groups13 * n_sub * 8 + g;
+  const int64_t scale_base = static_cast<int64_t>(expert) * (p.hidden / p.group1) * n_sub * 8 + g;
   const uint32_t* sp = p.s13 + scale_base;
   const uint32_t* zp = kZeros ? p.z13 + scale_base : nullptr;
   float acc[2][1][4];
   OneTokenStream<T, kCode, kZeros, 2>(
-      wp, sp, zp, n_sub, sub, p.per_group13, xs, kc_begin, kc_end, lane,
+      wp, sp, zp, n_sub, sub, p.group1_div, xs, kc_begin, kc_end, lane,
       [&] {
         CopyToShared(xs, p.x, p.hidden * static_cast<int>(sizeof(T)));
         __syncthreads();
@@ -249,13 +262,13 @@ __global__ void __launch_bounds__(kOneTokenMaxWarps2 * 32, 1) OneTokenGemm2Kerne
   const int g = lane >> 2;
   const int e = in ? expert : 0;
   const uint4* wp[1] = {p.w2 + (static_cast<int64_t>(e) * n_sub + v) * chunks * 32 + lane};
-  const int64_t scale_base = static_cast<int64_t>(e) * p.groups2 * n_sub * 8 + g;
+  const int64_t scale_base = static_cast<int64_t>(e) * (p.inter / p.group2) * n_sub * 8 + g;
   const uint32_t* sp = p.s2 + scale_base;
   const uint32_t* zp = kZeros ? p.z2 + scale_base : nullptr;
   const T* xs = acts + pair * p.inter;
   float acc[1][1][4];
   OneTokenStream<T, kCode, kZeros, 1>(
-      wp, sp, zp, n_sub, sub, p.per_group2, xs, kc_begin, kc_end, lane,
+      wp, sp, zp, n_sub, sub, p.group2_div, xs, kc_begin, kc_end, lane,
       [&] {
         if (!p.experts_from_prior_kernel) {
           WaitForPriorGrids();  // GEMM1's act rows
@@ -294,11 +307,14 @@ __global__ void __launch_bounds__(kOneTokenMaxWarps2 * 32, 1) OneTokenGemm2Kerne
 }
 
 // Host: both kernels on `stream` (GEMM1 the op's first launch, or after the op's routing kernel
-// with experts_from_prior_kernel). Call only where OneTokenLayerError is empty.
+// with experts_from_prior_kernel). `layer`'s groups set (SetOneTokenGroups). Call only where
+// OneTokenLayerError is empty.
 template <typename T, NibbleCode kCode>
-std::string LaunchOneTokenLayer(OneTokenArgs a, cudaStream_t stream) {
-  a.per_group13 = MakeFastDiv(static_cast<uint32_t>(a.hidden / a.groups13));
-  a.per_group2 = MakeFastDiv(static_cast<uint32_t>(a.inter / a.groups2));
+std::string LaunchOneTokenLayer(const OneTokenLayer& layer, bool experts_from_prior_kernel,
+                                cudaStream_t stream) {
+  OneTokenArgs a;
+  static_cast<OneTokenLayer&>(a) = layer;
+  a.experts_from_prior_kernel = experts_from_prior_kernel;
   // Slices of I per pair: at most eight chunks a warp (its two stages), warps permitting.
   a.slices2 = std::max(1, std::min(kOneTokenMaxWarps2 / a.top_k, (a.inter / 64 + 7) / 8));
   const size_t smem1 = static_cast<size_t>(OneTokenGemm1SmemBytes<T>(a.hidden));

@@ -179,47 +179,32 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
                          zero13_in_routing ? MxInt4MoeWs13Floats(p) : 0);
   if (!err.empty()) return err;
 
-  // One token, the stream main loop: GEMM1 with the activation, GEMM2 with the reduction.
-  if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
-    OneTokenArgs a;
-    a.x = p.x;
-    a.pair_experts = p.local_ids;
-    a.topk_weights = p.topk_weights;
-    a.experts = L;
-    a.top_k = static_cast<int>(p.top_k);
-    a.hidden = H;
-    a.inter = I;
-    a.groups13 = H / kGroupSize;
-    a.groups2 = I / kGroupSize;
-    a.w13 = static_cast<const uint4*>(p.w13);
-    a.s13 = static_cast<const uint32_t*>(p.s13);
-    a.w2 = static_cast<const uint4*>(p.w2);
-    a.s2 = static_cast<const uint32_t*>(p.s2);
-    a.activation = 0;
-    a.act = p.act;
-    a.out = p.out;
-    a.experts_from_prior_kernel = true;
-    return LaunchOneTokenLayer<Bf16, NibbleCode::kSignedInt4>(a, stream);
-  }
-
-  // One token whose pairs' weights fit the GPU's shared memory: the rest in one kernel.
-  if (p.fused_decode) {
+  // One token: the two streaming kernels (the stream main loop), or the fused decode kernel
+  // where the pairs' weights fit the GPU's shared memory; both after the routing launch.
+  const bool stream_kernels = p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream);
+  if (stream_kernels || p.fused_decode) {
+    OneTokenLayer layer;
+    layer.x = p.x;
+    layer.pair_experts = p.local_ids;
+    layer.experts = L;
+    layer.topk_weights = p.topk_weights;
+    layer.top_k = static_cast<int>(p.top_k);
+    layer.hidden = H;
+    layer.inter = I;
+    SetOneTokenGroups(layer, kGroupSize, kGroupSize);
+    layer.w13 = static_cast<const uint4*>(p.w13);
+    layer.s13 = static_cast<const uint32_t*>(p.s13);
+    layer.w2 = static_cast<const uint4*>(p.w2);
+    layer.s2 = static_cast<const uint32_t*>(p.s2);
+    layer.activation = 0;
+    layer.act = p.act;
+    layer.out = p.out;
+    if (stream_kernels) {
+      return LaunchOneTokenLayer<Bf16, NibbleCode::kSignedInt4>(
+          layer, /*experts_from_prior_kernel=*/true, stream);
+    }
     DecodeLayerArgs a;
-    a.x = p.x;
-    a.pair_experts = p.local_ids;
-    a.experts = L;
-    a.topk_weights = p.topk_weights;
-    a.top_k = static_cast<int>(p.top_k);
-    a.hidden = H;
-    a.inter = I;
-    SetDecodeGroups(a, kGroupSize, kGroupSize);
-    a.w13 = static_cast<const uint4*>(p.w13);
-    a.s13 = static_cast<const uint32_t*>(p.s13);
-    a.w2 = static_cast<const uint4*>(p.w2);
-    a.s2 = static_cast<const uint32_t*>(p.s2);
-    a.activation = 0;
-    a.act = p.act;
-    a.out = p.out;
+    static_cast<OneTokenLayer&>(a) = layer;
     return LaunchDecodeLayer<Bf16, NibbleCode::kSignedInt4>(a, stream);
   }
 

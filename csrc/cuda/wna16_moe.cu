@@ -91,54 +91,36 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int E = static_cast<int>(p.experts);
 
-  // One token, the stream main loop: GEMM1 with the activation, GEMM2 with the reduction.
-  if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
-    OneTokenArgs a;
-    a.x = p.x;
-    a.pair_experts = p.topk_ids;
-    a.topk_weights = p.topk_weights;
-    a.experts = E;
-    a.top_k = static_cast<int>(p.top_k);
-    a.hidden = H;
-    a.inter = I;
-    a.groups13 = static_cast<int>(p.groups13);
-    a.groups2 = static_cast<int>(p.groups2);
-    a.w13 = static_cast<const uint4*>(p.w13);
-    a.s13 = static_cast<const uint32_t*>(p.s13);
-    a.z13 = p.has_zeros ? static_cast<const uint32_t*>(p.z13) : nullptr;
-    a.b13 = p.has_bias ? p.b13 : nullptr;
-    a.w2 = static_cast<const uint4*>(p.w2);
-    a.s2 = static_cast<const uint32_t*>(p.s2);
-    a.z2 = p.has_zeros ? static_cast<const uint32_t*>(p.z2) : nullptr;
-    a.b2 = p.has_bias ? p.b2 : nullptr;
-    a.activation = p.activation;
-    a.act = p.act;
-    a.out = p.out;
-    return LaunchOneTokenLayer<T, NibbleCode::kUint4b8>(a, stream);
-  }
-
-  // One token whose pairs' weights fit the GPU's shared memory: the whole layer in one kernel.
-  if (p.fused_decode) {
+  // One token: the two streaming kernels (the stream main loop), or the fused decode kernel
+  // where the pairs' weights fit the GPU's shared memory.
+  const bool stream_kernels = p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream);
+  if (stream_kernels || p.fused_decode) {
+    OneTokenLayer layer;
+    layer.x = p.x;
+    layer.pair_experts = p.topk_ids;
+    layer.experts = E;
+    layer.topk_weights = p.topk_weights;
+    layer.top_k = static_cast<int>(p.top_k);
+    layer.hidden = H;
+    layer.inter = I;
+    SetOneTokenGroups(layer, static_cast<int>(H / p.groups13), static_cast<int>(I / p.groups2));
+    layer.w13 = static_cast<const uint4*>(p.w13);
+    layer.s13 = static_cast<const uint32_t*>(p.s13);
+    layer.z13 = p.has_zeros ? static_cast<const uint32_t*>(p.z13) : nullptr;
+    layer.b13 = p.has_bias ? p.b13 : nullptr;
+    layer.w2 = static_cast<const uint4*>(p.w2);
+    layer.s2 = static_cast<const uint32_t*>(p.s2);
+    layer.z2 = p.has_zeros ? static_cast<const uint32_t*>(p.z2) : nullptr;
+    layer.b2 = p.has_bias ? p.b2 : nullptr;
+    layer.activation = p.activation;
+    layer.act = p.act;
+    layer.out = p.out;
+    if (stream_kernels) {
+      return LaunchOneTokenLayer<T, NibbleCode::kUint4b8>(layer, /*experts_from_prior_kernel=*/false,
+                                                         stream);
+    }
     DecodeLayerArgs a;
-    a.x = p.x;
-    a.pair_experts = p.topk_ids;
-    a.experts = E;
-    a.topk_weights = p.topk_weights;
-    a.top_k = static_cast<int>(p.top_k);
-    a.hidden = H;
-    a.inter = I;
-    SetDecodeGroups(a, static_cast<int>(H / p.groups13), static_cast<int>(I / p.groups2));
-    a.w13 = static_cast<const uint4*>(p.w13);
-    a.s13 = static_cast<const uint32_t*>(p.s13);
-    a.z13 = p.has_zeros ? static_cast<const uint32_t*>(p.z13) : nullptr;
-    a.b13 = p.has_bias ? p.b13 : nullptr;
-    a.w2 = static_cast<const uint4*>(p.w2);
-    a.s2 = static_cast<const uint32_t*>(p.s2);
-    a.z2 = p.has_zeros ? static_cast<const uint32_t*>(p.z2) : nullptr;
-    a.b2 = p.has_bias ? p.b2 : nullptr;
-    a.activation = p.activation;
-    a.act = p.act;
-    a.out = p.out;
+    static_cast<OneTokenLayer&>(a) = layer;
     return LaunchDecodeLayer<T, NibbleCode::kUint4b8>(a, stream);
   }
 
