@@ -4,8 +4,8 @@
 // Why: at one token the layer reads each of its K experts' weights once, and nothing else is
 // large, so it is a race to keep enough bytes in flight. The general GEMMs hold one stage of four
 // chunks per warp and wait on it before loading the next, and split K across CTAs whose partial
-// sums meet in f32 atomics (ncu, Qwen3-30B-A3B: GEMM1 moved 12.6 MB at 0.94 TB/s, GEMM2 6.3 MB at
-// 0.6 TB/s). Here every warp keeps two stages (eight 16-byte loads per lane) in flight, a CTA
+// sums meet in f32 atomics (ncu on the H200, WNA16 Qwen3-30B-A3B: GEMM1 moved 12.6 MB in 12.5 us,
+// GEMM2 6.3 MB in 10.0 us; these kernels take 8.9 and 8.2 us, docs/gpu_notes.md). Here every warp keeps two stages (eight 16-byte loads per lane) in flight, a CTA
 // holds every K slice of its outputs, and the slices meet in shared memory in a fixed order:
 //   GEMM1: CTA (unit u, pair p) = gate subtile u and up subtile I/16 + u of p's expert over all of
 //          H, kOneTokenWarps1 warps each on a contiguous range of chunks; the CTA applies bias and
@@ -106,8 +106,8 @@ inline std::string OneTokenLayerError(int64_t top_k, int64_t hidden, int64_t int
 
 // The warp's dot products of kNsub weight subtiles (rows {g, g + 8} per lane) with the token over
 // chunks [kc_begin, kc_end): acc[j][0][0] (row g) and acc[j][0][2] (row g + 8), the same in every
-// lane of a row (every B column holds the token). `ready` runs once in every thread after the
-// first stage's loads are issued and before any activation is read from `xs` (shared memory).
+// lane of a row (every B column holds the token). `ready` runs once in every thread after both
+// stages' loads are issued and before any activation is read from `xs` (shared memory).
 template <typename T, NibbleCode kCode, bool kZeros, int kNsub, typename Ready>
 __device__ __forceinline__ void OneTokenStream(const uint4* const (&wp)[kNsub],
                                                const uint32_t* sp, const uint32_t* zp, int n_sub,
