@@ -5,8 +5,9 @@
 // large, so it is a race to keep enough bytes in flight. The general GEMMs hold one stage of four
 // chunks per warp and wait on it before loading the next, and split K across CTAs whose partial
 // sums meet in f32 atomics (ncu on the H200, WNA16 Qwen3-30B-A3B: GEMM1 moved 12.6 MB in 12.5 us,
-// GEMM2 6.3 MB in 10.0 us; these kernels take 8.9 and 8.2 us, docs/gpu_notes.md). Here every warp keeps two stages (eight 16-byte loads per lane) in flight, a CTA
-// holds every K slice of its outputs, and the slices meet in shared memory in a fixed order:
+// GEMM2 6.3 MB in 10.0 us; these kernels take 8.9 and 8.2 us, docs/gpu_notes.md). Here every
+// warp keeps two stages (eight 16-byte loads per lane) in flight, a CTA holds every K slice of its
+// outputs, and the slices meet in shared memory in a fixed order:
 //   GEMM1: CTA (unit u, pair p) = gate subtile u and up subtile I/16 + u of p's expert over all of
 //          H, kOneTokenWarps1 warps each on a contiguous range of chunks; the CTA applies bias and
 //          activation (RoundedActivation) and writes act[p][16u .. 16u + 15].
@@ -328,7 +329,9 @@ std::string LaunchOneTokenLayer(const OneTokenLayer& layer, bool experts_from_pr
       const cudaError_t e = cudaFuncSetAttribute(
           kernel_smem.first, cudaFuncAttributeMaxDynamicSharedMemorySize,
           static_cast<int>(kernel_smem.second));
-      if (e != cudaSuccess) return std::string("stream kernels' shared memory: ") + cudaGetErrorString(e);
+      if (e != cudaSuccess) {
+        return std::string("stream kernels' shared memory: ") + cudaGetErrorString(e);
+      }
     }
   }
   const dim3 grid1(a.inter / 16, a.top_k), block1(kOneTokenWarps1 * 32);

@@ -139,7 +139,8 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
       !ScaleWordsFitInt32(p.intermediate / kGroupSize, p.hidden)) {
     return "scale groups x outputs of one expert must stay below 2^32 (32-bit offsets)";
   }
-  if (std::string err = ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop, p.one_token);
+  if (std::string err =
+          ValidateMoeGemmLaunch(p.block_m, p.split13, p.split2, p.mainloop, p.one_token);
       !err.empty()) {
     return err;
   }
@@ -148,7 +149,9 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   }
   if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
   if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
-    if (p.fused_decode) return "fused_decode and the stream main loop are two different one-token paths";
+    if (p.fused_decode) {
+      return "fused_decode and the stream main loop are two different one-token paths";
+    }
     if (std::string err = OneTokenLayerError(p.top_k, p.hidden, p.intermediate, 2); !err.empty()) {
       return err;
     }

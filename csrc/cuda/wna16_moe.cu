@@ -116,8 +116,8 @@ std::string RunTyped(const Wna16MoeProblem& p, cudaStream_t stream) {
     layer.act = p.act;
     layer.out = p.out;
     if (stream_kernels) {
-      return LaunchOneTokenLayer<T, NibbleCode::kUint4b8>(layer, /*experts_from_prior_kernel=*/false,
-                                                         stream);
+      return LaunchOneTokenLayer<T, NibbleCode::kUint4b8>(
+          layer, /*experts_from_prior_kernel=*/false, stream);
     }
     DecodeLayerArgs a;
     static_cast<OneTokenLayer&>(a) = layer;
