@@ -105,6 +105,16 @@ inline std::string OneTokenLayerError(int64_t top_k, int64_t hidden, int64_t int
   return "";
 }
 
+// The checks both ops run on a call with the stream main loop: not beside the fused decode kernel,
+// and shapes OneTokenLayerError takes (the op's own validation has checked the rest).
+inline std::string ValidateOneTokenStream(bool fused_decode, int64_t top_k, int64_t hidden,
+                                          int64_t inter) {
+  if (fused_decode) {
+    return "fused_decode and the stream main loop are two different one-token paths";
+  }
+  return OneTokenLayerError(top_k, hidden, inter, 2);
+}
+
 // The warp's dot products of kNsub weight subtiles (rows {g, g + 8} per lane) with the token over
 // chunks [kc_begin, kc_end): acc[j][0][0] (row g) and acc[j][0][2] (row g + 8), the same in every
 // lane of a row (every B column holds the token). `ready` runs once in every thread after both

@@ -149,10 +149,9 @@ std::string ValidateMxInt4MoeProblem(const MxInt4MoeProblem& p) {
   }
   if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
   if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
-    if (p.fused_decode) {
-      return "fused_decode and the stream main loop are two different one-token paths";
-    }
-    if (std::string err = OneTokenLayerError(p.top_k, p.hidden, p.intermediate, 2); !err.empty()) {
+    if (std::string err =
+            ValidateOneTokenStream(p.fused_decode, p.top_k, p.hidden, p.intermediate);
+        !err.empty()) {
       return err;
     }
   }

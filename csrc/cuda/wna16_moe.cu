@@ -309,9 +309,6 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
            "no act-order and block_m 8";
   }
   if (p.fused_decode && !p.one_token) return "fused_decode needs the one_token path";
-  if (p.fused_decode && p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
-    return "fused_decode and the stream main loop are two different one-token paths";
-  }
   if (p.hidden <= 0 || p.hidden % 64 != 0) return "hidden size must be a positive multiple of 64";
   if (p.intermediate <= 0 || p.intermediate % 64 != 0) {
     return "intermediate size must be a positive multiple of 64";
@@ -335,7 +332,9 @@ std::string ValidateWna16MoeProblem(const Wna16MoeProblem& p) {
   if (p.activation < 0 || p.activation > 2) return "activation_kind must be 0, 1 or 2";
   if (p.top_k < 1) return "top_k must be >= 1";
   if (p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream)) {
-    if (std::string err = OneTokenLayerError(p.top_k, p.hidden, p.intermediate, 2); !err.empty()) {
+    if (std::string err =
+            ValidateOneTokenStream(p.fused_decode, p.top_k, p.hidden, p.intermediate);
+        !err.empty()) {
       return err;
     }
   }

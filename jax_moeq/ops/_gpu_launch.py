@@ -105,10 +105,10 @@ def choose_one_token_mainloop(mainloop_id: int, requested: str | None, *, one_to
   one-token path runs unfused and they take the shapes, else `mainloop_id`. "stream" asked for
   needs all of that (ValueError naming what is missing); any other request is kept.
 
-  Measured (H200, 2026-11-28, gpu_moe_bench / mxint4_bench --tokens 1, one process, us per layer
-  in the 8-layer jit, general one-token kernels -> stream): WNA16 Qwen3-30B-A3B 22.2 -> 19.6,
-  DeepSeek-V2-Lite 34.8 -> 21.5, Mixtral 78.7 -> 73.9; MxInt4 31.2 -> 21.3, 27.5 -> 24.8,
-  89.0 -> 80.3."""
+  Measured (H200, 2026-11-28; docs/performance.md, "the one-token layer as two streaming
+  kernels"): WNA16 Qwen3-30B-A3B kernels alone (ncu) 22.5 -> 17.0 us per layer; in the 8-layer
+  jit, general kernels / stream in one process, MxInt4 1.06-1.46x and Mixtral 1.06-1.11x faster,
+  the small-expert WNA16 shapes level or faster by process."""
   if requested is not None and requested != "stream":
     return mainloop_id
   error = stream_error(top_k, hidden, intermediate)
