@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -124,6 +125,116 @@ void AmxVariant(const W4A8GemmArgs& a) {
   _tile_release();
 }
 
+// The production loop with each tile load going to the tile register the previous product did
+// not read (A alternates tmm4 / tmm5, a group's two B chunks sit in tmm6 / tmm7), so a load need
+// not wait for the product before it. kSigned: B unpacked as nibble - 8 (TDPBSSD), so the sums
+// come out centred and the promotion drops its sum8 subtraction (the same int32 values).
+// kPromote / kStore as above (false: timing only).
+template <int kTiles, bool kSigned>
+inline void PingPongGroup(const int8_t* a0, int64_t stride, const uint8_t* b) {
+  _tile_zero(0);
+  if constexpr (kTiles > 1) _tile_zero(1);
+  if constexpr (kTiles > 2) _tile_zero(2);
+  if constexpr (kTiles > 3) _tile_zero(3);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b + 1024, 64);
+#define PP_DP(c, a, bb) \
+  if constexpr (kSigned) _tile_dpbssd(c, a, bb); else _tile_dpbsud(c, a, bb);
+  _tile_loadd(4, a0, stride);
+  PP_DP(0, 4, 6);
+  if constexpr (kTiles > 1) { _tile_loadd(5, a0 + 16 * stride, stride); PP_DP(1, 5, 6); }
+  if constexpr (kTiles > 2) { _tile_loadd(4, a0 + 32 * stride, stride); PP_DP(2, 4, 6); }
+  if constexpr (kTiles > 3) { _tile_loadd(5, a0 + 48 * stride, stride); PP_DP(3, 5, 6); }
+  // chunk 1 (inputs 64..127 of the group): tmm4 / tmm5 swapped so the first load follows the
+  // product two back
+  if constexpr (kTiles > 1) { _tile_loadd(5, a0 + 64, stride); PP_DP(0, 5, 7); }
+  else { _tile_loadd(4, a0 + 64, stride); PP_DP(0, 4, 7); }
+  if constexpr (kTiles > 1) { _tile_loadd(4, a0 + 16 * stride + 64, stride); PP_DP(1, 4, 7); }
+  if constexpr (kTiles > 2) { _tile_loadd(5, a0 + 32 * stride + 64, stride); PP_DP(2, 5, 7); }
+  if constexpr (kTiles > 3) { _tile_loadd(4, a0 + 48 * stride + 64, stride); PP_DP(3, 4, 7); }
+#undef PP_DP
+}
+
+template <bool kPromote, bool kStore, bool kSigned>
+void AmxPingPong(const W4A8GemmArgs& a) {
+  const PackedGemmShape& s = a.shape;
+  const int64_t groups = s.groups(), bpg = s.group / kBlockInputs, k = s.k;
+  if (s.group != 128) return;  // the probe's shape
+  const int64_t m_pad = (a.m + kTileM - 1) / kTileM * kTileM;
+  static thread_local std::vector<int8_t> abuf;
+  static thread_local std::vector<uint8_t> bbuf;
+  static thread_local std::vector<float> acc;
+  static thread_local std::vector<int32_t> c;
+  if (static_cast<int64_t>(abuf.size()) < m_pad * k) abuf.resize(m_pad * k);
+  bbuf.resize(s.group * kTileRows);
+  if (static_cast<int64_t>(acc.size()) < m_pad * kTileRows) acc.resize(m_pad * kTileRows);
+  c.resize(4 * 256);
+  for (int64_t i = 0; i < a.m; ++i) std::memcpy(&abuf[i * k], a.act.values + a.rows[i] * k, k);
+  std::memset(&abuf[a.m * k], 0, (m_pad - a.m) * k);
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
+  const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
+  for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
+    const uint8_t* p = a.weights + nt * s.tile_bytes();
+    std::memset(acc.data(), 0, m_pad * kTileRows * sizeof(float));
+    for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
+      for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2Bytes + ahead), _MM_HINT_T1);
+      }
+      for (int64_t kb = 0; kb < bpg; ++kb) {
+        const __m512i v = _mm512_loadu_si512(p + kb * 64);
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (kSigned) { lo = _mm512_sub_epi8(lo, eight); hi = _mm512_sub_epi8(hi, eight); }
+        _mm512_storeu_si512(&bbuf[2 * kb * 64], lo);
+        _mm512_storeu_si512(&bbuf[(2 * kb + 1) * 64], hi);
+      }
+      const __m512 scale = _mm512_loadu_ps(p + bpg * 64);
+      for (int64_t row0 = 0; row0 < m_pad; row0 += 64) {
+        const int64_t tiles = std::min<int64_t>(4, (m_pad - row0) / 16);
+        const int8_t* a0 = &abuf[row0 * k + gi * 128];
+        switch (tiles) {
+          case 4: PingPongGroup<4, kSigned>(a0, k, bbuf.data()); break;
+          case 3: PingPongGroup<3, kSigned>(a0, k, bbuf.data()); break;
+          case 2: PingPongGroup<2, kSigned>(a0, k, bbuf.data()); break;
+          default: PingPongGroup<1, kSigned>(a0, k, bbuf.data()); break;
+        }
+        if (kStore) {
+          _tile_stored(0, &c[0], 64);
+          if (tiles > 1) _tile_stored(1, &c[256], 64);
+          if (tiles > 2) _tile_stored(2, &c[512], 64);
+          if (tiles > 3) _tile_stored(3, &c[768], 64);
+        }
+        if (kPromote) {
+          const int64_t rows = std::min<int64_t>(tiles * 16, a.m - row0);
+          for (int64_t i = 0; i < rows; ++i) {
+            __m512i cen = _mm512_loadu_si512(&c[i * 16]);
+            if (!kSigned) {
+              const int64_t row = a.rows[row0 + i];
+              cen = _mm512_sub_epi32(cen, _mm512_set1_epi32(a.act.sum8[row * groups + gi]));
+            }
+            float* dst = &acc[(row0 + i) * 16];
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(cen), scale, _mm512_loadu_ps(dst)));
+          }
+        }
+      }
+    }
+    const __m512 corr = _mm512_loadu_ps(row_corr + nt * 16), b = _mm512_loadu_ps(bias + nt * 16);
+    for (int64_t i = 0; i < a.m; ++i) {
+      const int64_t row = a.rows[i];
+      const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
+      const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
+      const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, _mm512_loadu_ps(&acc[i * 16])), xs, b);
+      _mm512_storeu_ps(a.out + i * s.n + nt * 16, y);
+    }
+  }
+  _tile_release();
+}
+
 using Kernel = void (*)(const W4A8GemmArgs&);
 
 struct Problem {
@@ -157,8 +268,11 @@ Problem MakeProblem(int64_t n, int64_t k, int64_t group, int64_t m, uint32_t see
   p.scale.assign(m, 0.01f);
   p.zp.resize(m);
   for (auto& z : p.zp) z = static_cast<int32_t>(rng() % 255) - 127;
-  p.sum8.resize(m * p.shape.groups());
-  for (auto& s : p.sum8) s = static_cast<int32_t>(rng() % 20000) - 10000;
+  // sum8 as the row quantizer gives it (8 x the group's sum): the signed-B variant relies on it.
+  p.sum8.assign(m * p.shape.groups(), 0);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < k; ++j) p.sum8[i * p.shape.groups() + j / group] += 8 * p.values[i * k + j];
+  }
   p.rows.resize(m);
   for (int64_t i = 0; i < m; ++i) p.rows[i] = static_cast<int32_t>(i);
   p.out.assign(m * n, 0.f);
@@ -219,7 +333,10 @@ double Rate(Kernel kernel, std::vector<Problem>& probs) {
 int main(int argc, char** argv) {
   bool amx = false;
   for (Isa i : AvailableIsas()) amx |= i == Isa::kAmxInt8;
-  if (!amx) { std::printf("no AMX on this machine\n"); return 1; }
+  // PROBE_CHECK_ONLY=1: the bit-equality checks alone, one thread (with tests/native/amx_emulation.h
+  // included, on any x86 machine).
+  const bool check_only = std::getenv("PROBE_CHECK_ONLY") != nullptr;
+  if (!amx && !check_only) { std::printf("no AMX on this machine\n"); return 1; }
   const int64_t n = 2048, k = 2048, group = 128;
   struct V { const char* name; Kernel kernel; };
   const V variants[] = {
@@ -231,11 +348,15 @@ int main(int argc, char** argv) {
       {"amx no store+promote", AmxVariant<false, false, true, false>},
       {"amx no unpack", AmxVariant<true, true, false, false>},
       {"amx products only, chunk-major A", AmxVariant<false, false, false, true>},
+      {"amx ping-pong", AmxPingPong<true, true, false>},
+      {"amx ping-pong, signed B", AmxPingPong<true, true, true>},
+      {"amx ping-pong, no store+promote", AmxPingPong<false, false, false>},
   };
   const int max_threads = argc > 1 ? std::atoi(argv[1]) : 16;
   std::printf("N=%ld K=%ld group %ld; GMAC/s summed over threads, each on its own weights\n",
               (long)n, (long)k, (long)group);
   for (int threads : {1, max_threads}) {
+    if (check_only && threads > 1) break;
     for (int64_t m : {16, 64, 128, 512}) {
       std::vector<Problem> probs;
       for (int t = 0; t < threads; ++t) probs.push_back(MakeProblem(n, k, group, m, 1234 + t));
@@ -243,12 +364,17 @@ int main(int argc, char** argv) {
       W4A8GemmArgs a = Args(probs[0]);
       W4A8GemmAmx(a);
       const std::vector<float> ref = probs[0].out;
-      for (Kernel kv : {AmxVariant<true, true, true, false>, AmxVariant<true, true, true, true>, W4A8GemmAvx512Vnni}) {
+      for (Kernel kv : {AmxVariant<true, true, true, false>, AmxVariant<true, true, true, true>, W4A8GemmAvx512Vnni,
+                        AmxPingPong<true, true, false>, AmxPingPong<true, true, true>}) {
         std::fill(probs[0].out.begin(), probs[0].out.end(), -1.f);
         kv(a);
         if (std::memcmp(ref.data(), probs[0].out.data(), ref.size() * 4) != 0) {
           std::printf("MISMATCH at m=%ld\n", (long)m);
         }
+      }
+      if (check_only) {
+        std::printf("m %ld checked\n", (long)m);
+        continue;
       }
       for (const V& v : variants) {
         std::printf("threads %2d m %4ld  %-34s %8.1f GMAC/s\n", threads, (long)m, v.name, Rate(v.kernel, probs));

@@ -83,15 +83,37 @@ inline void DotSignedUnsigned(int c, int a, int b) {
   }
 }
 
+// C[m][n] += sum_k int8(A[m][4k + i]) * int8(B[k][4n + i]), int32 lanes (TDPBSSD).
+inline void DotSignedSigned(int c, int a, int b) {
+  Tiles& t = State();
+  const int m = t.rows[c], n = t.colsb[c] / 4, k = t.colsb[a] / 4;
+  if (t.rows[a] != m || t.rows[b] != k || t.colsb[b] != t.colsb[c]) Fail("TDPBSSD shape mismatch");
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      int32_t sum;
+      std::memcpy(&sum, &t.data[c][i][4 * j], 4);
+      for (int q = 0; q < k; ++q) {
+        for (int e = 0; e < 4; ++e) {
+          sum += static_cast<int32_t>(static_cast<int8_t>(t.data[a][i][4 * q + e])) *
+                 static_cast<int32_t>(static_cast<int8_t>(t.data[b][q][4 * j + e]));
+        }
+      }
+      std::memcpy(&t.data[c][i][4 * j], &sum, 4);
+    }
+  }
+}
+
 }  // namespace amx_emulation
 
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbsud
+#undef _tile_dpbssd
 #define _tile_loadconfig(cfg) ::amx_emulation::LoadConfig(cfg)
 #define _tile_release() ::amx_emulation::Release()
 #define _tile_loadd(tile, base, stride) ::amx_emulation::Load((tile), (base), (stride))
 #define _tile_stored(tile, base, stride) ::amx_emulation::Store((tile), (base), (stride))
 #define _tile_zero(tile) ::amx_emulation::Zero(tile)
 #define _tile_dpbsud(c, a, b) ::amx_emulation::DotSignedUnsigned((c), (a), (b))
+#define _tile_dpbssd(c, a, b) ::amx_emulation::DotSignedSigned((c), (a), (b))
