@@ -27,7 +27,9 @@ the same residual with their own weights and the same routings, on a kt-kernel w
 thread fewer (its caller spins in `sync()` on the remaining core; `--ktk-threads` sets it),
 interleaved call by call with ours. kt-kernel picks its build by the CPU flags
 (AMX on Sapphire Rapids and later, else AVX-512, else AVX2; `--ktk-variant` overrides); its AVX2
-build has no online int4/int8 quantizer, so there the peer is skipped with that reason. It is driven
+build has no online int4/int8 quantizer. Its GPTQ kernels (GPTQINT4: AVX2; GPTQINT4_VNNI256:
+AVX-VNNI, 256-bit, packed), in every build, take our int4 experts written as symmetric GPTQ
+tensors (`gptq_int4`: the same weights exactly, group size ours). It is driven
 through its extension (`CPUInfer.submit` / `sync` of `forward_task`), as its `KTMoEWrapper.forward`
 does on its synchronous path: the wrapper itself needs pinned host buffers (torch without an
 accelerator refuses `pin_memory`) and, on its default path, a CUDA stream that it hands to
@@ -389,7 +391,13 @@ def ort_session(shape: Shape, seed: int, threads: int, layers: range,
   return session, f"onnxruntime {ort.__version__}" + (", weights as external data" if external else "")
 
 
-KTK_METHODS = ("AMXINT4", "AMXINT8")  # kt-kernel's int4 / int8 experts, quantized online from bf16
+# kt-kernel's methods: AMXINT4 / AMXINT8 quantized online from bf16 (its AMX and AVX-512 builds);
+# GPTQINT4 (its AVX2 GPTQ kernel) and GPTQINT4_VNNI256 (its AVX-VNNI 256-bit packed GPTQ kernel)
+# load symmetric GPTQ int4 experts written from ours exactly (every build has them).
+KTK_METHODS = ("AMXINT4", "AMXINT8", "GPTQINT4", "GPTQINT4_VNNI256")
+KTK_CLASSES = {"AMXINT4": "AMXInt4_MOE", "AMXINT8": "AMXInt8_MOE",
+               "GPTQINT4": "AVX2GPTQInt4_MOE", "GPTQINT4_VNNI256": "AVXVNNI256GPTQInt4Packed_MOE"}
+KTK_GPTQ_METHODS = ("GPTQINT4", "GPTQINT4_VNNI256")
 KTK_M_STEP = 32  # its token buffers are sized in steps of this many rows
 # Its workers spin for 50 ms after a job before they sleep (measured here: 1-2 cores busy for
 # 40-50 ms after a call, then none); the harness waits this long, untimed, after each of its calls.
@@ -446,9 +454,34 @@ def _torch_bf16(a: np.ndarray):
   return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
 
 
+def cpu_flags() -> set[str]:
+  """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return set(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return set()
+
+
+def gptq_int4(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """One projection's int4 values q [out, in] in [-8, 7] and scales [out, in / group] as
+  symmetric GPTQ tensors (the AutoGPTQ layout): qweight int32 [in / 8, out], input k in bits
+  4 (k % 8) of row k // 8 as q + 8; scales float32 [in / group, out]. Exact: q · scale is the
+  same weight."""
+  u = (q.astype(np.uint32) + 8).T.reshape(q.shape[1] // 8, 8, q.shape[0])
+  qweight = np.zeros((q.shape[1] // 8, q.shape[0]), np.uint32)
+  for j in range(8):
+    qweight |= u[:, j, :] << np.uint32(4 * j)
+  return qweight.view(np.int32), np.ascontiguousarray(scale.astype(np.float32).T)
+
+
 class KtkLayers:
-  """kt-kernel experts of `layers` layers for each method, on one worker pool of `threads` threads,
-  quantized by kt-kernel from the layers' bf16 weights (gate = w13[:, :I], up = w13[:, I:])."""
+  """kt-kernel experts of `layers` layers for each method, on one worker pool of `threads` threads:
+  quantized by kt-kernel from the layers' bf16 weights (AMXINT4 / AMXINT8; gate = w13[:, :I],
+  up = w13[:, I:]), or our int4 experts exactly as GPTQ tensors (GPTQ methods)."""
 
   def __init__(self, kt_kernel, shape: Shape, stacks: list[Experts], methods: list[str],
                threads: int, max_tokens: int):
@@ -468,28 +501,37 @@ class KtkLayers:
     self.max_len = KTK_M_STEP * max(1, math.ceil(max_tokens / KTK_M_STEP))
     self.gpu_mask = torch.zeros(shape.num_experts, dtype=torch.bool)  # every expert on the CPU
     self.expert_map = torch.arange(shape.num_experts, dtype=torch.int64)
-    classes = {"AMXINT4": "AMXInt4_MOE", "AMXINT8": "AMXInt8_MOE"}
     self.skipped: dict[str, str] = {}
     self.methods: dict[str, list] = {}
+    flags = cpu_flags()
     for method in methods:
-      cls = getattr(ext.moe, classes[method], None)
-      if cls is None:
-        self.skipped[method] = (f"kt-kernel's {self.variant} build has no {classes[method]} "
+      if getattr(ext.moe, KTK_CLASSES[method], None) is None:
+        self.skipped[method] = (f"kt-kernel's {self.variant} build has no {KTK_CLASSES[method]} "
                                 "(its AVX2 build quantizes no int4/int8 experts online)")
+      elif method == "GPTQINT4_VNNI256" and "avx_vnni" not in flags:
+        self.skipped[method] = "this CPU has no AVX-VNNI (avx_vnni), which its kernel needs"
+      elif method in KTK_GPTQ_METHODS and stacks and stacks[0].group_size <= 0:
+        self.skipped[method] = ("its GPTQ loader takes one group size for both projections; "
+                                "channel-wise groups differ (H against I)")
       else:
         self.methods[method] = []
     i = shape.intermediate_size
-    for layer, experts in enumerate(stacks if self.methods else []):
+    online = [m for m in self.methods if m not in KTK_GPTQ_METHODS]
+    gptq = [m for m in self.methods if m in KTK_GPTQ_METHODS]
+    for layer, experts in enumerate(stacks if online else []):
       had_bf16 = experts._bf16 is not None
       w13, w2 = (np.asarray(a) for a in experts.bf16())
       gate, up, down = _torch_bf16(w13[:, :i]), _torch_bf16(w13[:, i:]), _torch_bf16(w2)
       del w13, w2
-      for method in self.methods:
-        self.methods[method].append(self._load(ext, cls_name=classes[method], layer=layer,
+      for method in online:
+        self.methods[method].append(self._load(ext, cls_name=KTK_CLASSES[method], layer=layer,
                                                gate=gate, up=up, down=down))
       del gate, up, down
       if not had_bf16:
         experts._bf16 = None
+    for layer, experts in enumerate(stacks if gptq else []):
+      for method in gptq:
+        self.methods[method].append(self._load_gptq(ext, KTK_CLASSES[method], layer, experts))
 
   def _load(self, ext, *, cls_name: str, layer: int, gate, up, down):
     """One layer's experts, quantized from bf16 by kt-kernel (nothing written to disk)."""
@@ -505,6 +547,45 @@ class KtkLayers:
     moe = getattr(ext.moe, cls_name)(config)
     self.cpu_infer.submit(moe.load_weights_task(self.expert_map.data_ptr()))
     self.cpu_infer.sync()
+    return moe
+
+  def _load_gptq(self, ext, cls_name: str, layer: int, experts: Experts):
+    """One layer's experts handed to kt-kernel as symmetric GPTQ int4 tensors (per expert: gate,
+    up, down qweight and float32 scales), converted from ours exactly; kt-kernel repacks them
+    into its own buffers while loading, so they are freed after."""
+    torch = self.torch
+    s = self.shape
+    i = s.intermediate_size
+    had_q = experts._q is not None
+    q13, s13, q2, s2 = experts.unpacked()
+    tensors = {"gate": [], "up": [], "down": []}
+    scales = {"gate": [], "up": [], "down": []}
+    for e in range(s.num_experts):
+      for name, q, sc in (("gate", q13[e, :i], s13[e, :i]), ("up", q13[e, i:], s13[e, i:]),
+                          ("down", q2[e], s2[e])):
+        qweight, scale = gptq_int4(q, sc)
+        tensors[name].append(torch.from_numpy(qweight))
+        scales[name].append(torch.from_numpy(scale))
+    if not had_q:
+      experts._q = None
+    config = ext.moe.MOEConfig(s.num_experts, s.top_k, s.hidden_size, s.intermediate_size,
+                               self.gpu_mask.data_ptr())
+    config.layer_idx = layer
+    config.pool = self.cpu_infer.backend_
+    config.max_len = self.max_len
+    config.gate_projs = [[t.data_ptr() for t in tensors["gate"]]]
+    config.up_projs = [[t.data_ptr() for t in tensors["up"]]]
+    config.down_projs = [[t.data_ptr() for t in tensors["down"]]]
+    config.gate_scales = [[t.data_ptr() for t in scales["gate"]]]
+    config.up_scales = [[t.data_ptr() for t in scales["up"]]]
+    config.down_scales = [[t.data_ptr() for t in scales["down"]]]
+    config.quant_config.bits = 4
+    config.quant_config.group_size = experts.group_size
+    config.quant_config.zero_point = False
+    moe = getattr(ext.moe, cls_name)(config)
+    self.cpu_infer.submit(moe.load_weights_task(self.expert_map.data_ptr()))
+    self.cpu_infer.sync()
+    del tensors, scales
     return moe
 
   def feeds(self, routings: list) -> list:
@@ -563,7 +644,7 @@ def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> Ktk
   # oversubscribes them, and every layer then waits out two 4 ms scheduler ticks (measured on the
   # 2-core VM and the 16-core Xeon: 8-9 ms a layer at T=1 whatever the experts).
   threads = args.ktk_threads or max(1, args.threads_used - 1)
-  progress(f"{shape.name}: kt-kernel quantizing {len(stacks)} layers from bf16 "
+  progress(f"{shape.name}: kt-kernel loading {len(stacks)} layers "
            f"({','.join(args.ktk_methods)}, {threads} threads)")
   start = time.perf_counter()
   try:
@@ -579,8 +660,12 @@ def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> Ktk
   if not ktk.methods:
     return None
   notes.append(f"kt-kernel {ktk.version} ({ktk.variant} build): {', '.join(ktk.methods)}, "
-               f"quantized by its online quantizer from the bf16 weights in "
-               f"{time.perf_counter() - start:.0f} s; {len(stacks)} layers chained as ours, one "
+               + ("; ".join(part for part in (
+                   "AMX ones quantized by its online quantizer from the bf16 weights"
+                   if set(ktk.methods) - set(KTK_GPTQ_METHODS) else "",
+                   "GPTQ ones loaded from our int4 experts as exact symmetric GPTQ tensors"
+                   if set(ktk.methods) & set(KTK_GPTQ_METHODS) else "") if part))
+               + f" in {time.perf_counter() - start:.0f} s; {len(stacks)} layers chained as ours, one "
                f"worker pool of {threads} threads on NUMA node {ktk.numa_node}, each layer "
                "submitted and waited for (CPUInfer.submit / sync, the caller spinning); after "
                "each of its calls the "

@@ -1,9 +1,11 @@
 """benchmarks/cpu_moe_bench.py's kt-kernel peer: skipped with its reason when kt-kernel does not
-import, and, where it imports, its online-quantized layers checked against the float reference on
-a tiny shape (kt-kernel from this environment, $JAX_MOEQ_KTK_PATH, or .carry/ktk)."""
+import, and, where it imports, its layers (online-quantized AMX ones, and GPTQ ones given our int4
+weights) checked against the float reference on a tiny shape (kt-kernel from this environment,
+$JAX_MOEQ_KTK_PATH, or .carry/ktk); the GPTQ tensors it is given checked against our unpacking."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -11,10 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 import pytest
 
 import jax_moeq
 from jax_moeq import _ffi
+from jax_moeq.quant import int4
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "cpu_moe_bench.py"
@@ -75,12 +81,13 @@ def test_ktk_peer_matches_the_float_reference_on_a_tiny_shape():
   row = result["rows"]["tiny"][0]
   check = re.search(r"check at T=8, layer 0, .*rel\. Frobenius error (.*)", stdout)
   assert check, stdout[-3000:]
-  errors = dict(re.findall(r"(ours|kt-kernel AMXINT\d) (\d\.\de[-+]\d\d)", check.group(1)))
+  errors = dict(re.findall(r"(ours|kt-kernel (?:AMXINT\d|GPTQINT4(?:_VNNI256)?)) (\d\.\de[-+]\d\d)",
+                           check.group(1)))
   errors = {name: float(e) for name, e in errors.items()}
   assert "non-finite" not in check.group(1)
   # Ours: exact int4 weights, int8 activations: a few 1e-3 per GEMM, bf16 rounding points.
   assert errors["ours"] < 0.05, errors
-  for method in ("AMXINT4", "AMXINT8"):
+  for method in ("AMXINT4", "AMXINT8", "GPTQINT4", "GPTQINT4_VNNI256"):
     if f"kt-kernel {method}" not in errors:
       assert f"kt-kernel {method} skipped" in stdout  # a build without it says so
       continue
@@ -93,3 +100,37 @@ def test_ktk_peer_matches_the_float_reference_on_a_tiny_shape():
     assert errors["kt-kernel AMXINT4"] < 0.3, errors
     # It is a real int4 requantization, not a copy of the float weights.
     assert errors["kt-kernel AMXINT4"] > errors["ours"], errors
+  # Its GPTQ kernels get our int4 weights exactly: what is left is their activations' rounding,
+  # no coarser than ours (int8 per row).
+  for method in ("GPTQINT4", "GPTQINT4_VNNI256"):
+    if f"kt-kernel {method}" in errors:
+      assert errors[f"kt-kernel {method}"] < 0.05, errors
+
+
+def _bench_module():
+  spec = importlib.util.spec_from_file_location("cpu_moe_bench", BENCH)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up there
+  sys.path.insert(0, str(BENCH.parent))  # its sibling _timing
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(str(BENCH.parent))
+  return sys.modules[spec.name]
+
+
+def test_gptq_tensors_for_the_ktk_peer_unpack_to_the_same_int4_weights():
+  """The GPTQ qweight / scales the kt-kernel peer is given read back, through the checkpoint
+  loader's GPTQ unpacking, as exactly our int4 values and scales."""
+  bench = _bench_module()
+  rng = np.random.default_rng(0)
+  q = rng.integers(-8, 8, (48, 256), dtype=np.int8)
+  scale = rng.uniform(0.5, 1.5, (48, 2)).astype(ml_dtypes.bfloat16)
+  qweight, scales = bench.gptq_int4(q, scale)
+  assert qweight.dtype == np.int32 and qweight.shape == (32, 48)
+  assert scales.dtype == np.float32 and scales.shape == (2, 48)
+  np.testing.assert_array_equal(np.asarray(int4.unpack_uint4b8_gptq(jnp.asarray(qweight))), q)
+  np.testing.assert_array_equal(scales, scale.astype(np.float32).T)
+  # The AutoGPTQ convention, by hand: input k of output n in bits 4 (k % 8) of qweight[k // 8, n].
+  n, k = 5, 77
+  assert (int(qweight.view(np.uint32)[k // 8, n]) >> (4 * (k % 8))) & 0xF == int(q[n, k]) + 8
