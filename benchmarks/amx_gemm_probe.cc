@@ -29,6 +29,21 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// Output tile nt of every row from its float accumulators (row_corr, zero point, scale, bias).
+void StoreTile(const W4A8GemmArgs& a, int64_t nt, const float* acc) {
+  const PackedGemmShape& s = a.shape;
+  const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
+  const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
+  const __m512 corr = _mm512_loadu_ps(row_corr + nt * 16), b = _mm512_loadu_ps(bias + nt * 16);
+  for (int64_t i = 0; i < a.m; ++i) {
+    const int64_t row = a.rows[i];
+    const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
+    const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
+    const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, _mm512_loadu_ps(&acc[i * 16])), xs, b);
+    _mm512_storeu_ps(a.out + i * s.n + nt * 16, y);
+  }
+}
+
 // kPromote: int32 sums promoted each group; kStore: C tiles stored each group; kUnpack: the
 // group's nibbles unpacked each group; kChunkA: A laid out [chunk][row][64] (stride 64 bytes).
 template <bool kPromote, bool kStore, bool kUnpack, bool kChunkA>
@@ -111,16 +126,7 @@ void AmxVariant(const W4A8GemmArgs& a) {
         }
       }
     }
-    const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
-    const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
-    const __m512 corr = _mm512_loadu_ps(row_corr + nt * 16), b = _mm512_loadu_ps(bias + nt * 16);
-    for (int64_t i = 0; i < a.m; ++i) {
-      const int64_t row = a.rows[i];
-      const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
-      const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
-      const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, _mm512_loadu_ps(&acc[i * 16])), xs, b);
-      _mm512_storeu_ps(a.out + i * s.n + nt * 16, y);
-    }
+    StoreTile(a, nt, acc.data());
   }
   _tile_release();
 }
@@ -177,8 +183,6 @@ void AmxPingPong(const W4A8GemmArgs& a) {
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
   const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-  const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
-  const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
   for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
     const uint8_t* p = a.weights + nt * s.tile_bytes();
     std::memset(acc.data(), 0, m_pad * kTileRows * sizeof(float));
@@ -223,14 +227,7 @@ void AmxPingPong(const W4A8GemmArgs& a) {
         }
       }
     }
-    const __m512 corr = _mm512_loadu_ps(row_corr + nt * 16), b = _mm512_loadu_ps(bias + nt * 16);
-    for (int64_t i = 0; i < a.m; ++i) {
-      const int64_t row = a.rows[i];
-      const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
-      const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
-      const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, _mm512_loadu_ps(&acc[i * 16])), xs, b);
-      _mm512_storeu_ps(a.out + i * s.n + nt * 16, y);
-    }
+    StoreTile(a, nt, acc.data());
   }
   _tile_release();
 }

@@ -63,39 +63,22 @@ inline void Store(int tile, void* base, int64_t stride) {
 
 inline void Zero(int tile) { std::memset(State().data[tile], 0, sizeof(State().data[tile])); }
 
-// C[m][n] += sum_k int8(A[m][4k + i]) * uint8(B[k][4n + i]), int32 lanes (TDPBSUD).
-inline void DotSignedUnsigned(int c, int a, int b) {
+// C[m][n] += sum_k int8(A[m][4k + i]) * B[k][4n + i], int32 lanes: B bytes unsigned (TDPBSUD)
+// or signed (kSignedB, TDPBSSD).
+template <bool kSignedB>
+inline void Dot(int c, int a, int b) {
   Tiles& t = State();
   const int m = t.rows[c], n = t.colsb[c] / 4, k = t.colsb[a] / 4;
-  if (t.rows[a] != m || t.rows[b] != k || t.colsb[b] != t.colsb[c]) Fail("TDPBSUD shape mismatch");
+  if (t.rows[a] != m || t.rows[b] != k || t.colsb[b] != t.colsb[c]) Fail("TDPB*D shape mismatch");
   for (int i = 0; i < m; ++i) {
     for (int j = 0; j < n; ++j) {
       int32_t sum;
       std::memcpy(&sum, &t.data[c][i][4 * j], 4);
       for (int q = 0; q < k; ++q) {
         for (int e = 0; e < 4; ++e) {
+          const uint8_t bv = t.data[b][q][4 * j + e];
           sum += static_cast<int32_t>(static_cast<int8_t>(t.data[a][i][4 * q + e])) *
-                 static_cast<int32_t>(t.data[b][q][4 * j + e]);
-        }
-      }
-      std::memcpy(&t.data[c][i][4 * j], &sum, 4);
-    }
-  }
-}
-
-// C[m][n] += sum_k int8(A[m][4k + i]) * int8(B[k][4n + i]), int32 lanes (TDPBSSD).
-inline void DotSignedSigned(int c, int a, int b) {
-  Tiles& t = State();
-  const int m = t.rows[c], n = t.colsb[c] / 4, k = t.colsb[a] / 4;
-  if (t.rows[a] != m || t.rows[b] != k || t.colsb[b] != t.colsb[c]) Fail("TDPBSSD shape mismatch");
-  for (int i = 0; i < m; ++i) {
-    for (int j = 0; j < n; ++j) {
-      int32_t sum;
-      std::memcpy(&sum, &t.data[c][i][4 * j], 4);
-      for (int q = 0; q < k; ++q) {
-        for (int e = 0; e < 4; ++e) {
-          sum += static_cast<int32_t>(static_cast<int8_t>(t.data[a][i][4 * q + e])) *
-                 static_cast<int32_t>(static_cast<int8_t>(t.data[b][q][4 * j + e]));
+                 (kSignedB ? static_cast<int32_t>(static_cast<int8_t>(bv)) : static_cast<int32_t>(bv));
         }
       }
       std::memcpy(&t.data[c][i][4 * j], &sum, 4);
@@ -115,5 +98,5 @@ inline void DotSignedSigned(int c, int a, int b) {
 #define _tile_loadd(tile, base, stride) ::amx_emulation::Load((tile), (base), (stride))
 #define _tile_stored(tile, base, stride) ::amx_emulation::Store((tile), (base), (stride))
 #define _tile_zero(tile) ::amx_emulation::Zero(tile)
-#define _tile_dpbsud(c, a, b) ::amx_emulation::DotSignedUnsigned((c), (a), (b))
-#define _tile_dpbssd(c, a, b) ::amx_emulation::DotSignedSigned((c), (a), (b))
+#define _tile_dpbsud(c, a, b) ::amx_emulation::Dot<false>((c), (a), (b))
+#define _tile_dpbssd(c, a, b) ::amx_emulation::Dot<true>((c), (a), (b))
