@@ -44,6 +44,32 @@ void StoreTile(const W4A8GemmArgs& a, int64_t nt, const float* acc) {
   }
 }
 
+// The row block's C tiles stored (kStore) and promoted into acc (kPromote); kCentred: the sums
+// are centred already (signed B), else sum8 is subtracted per row.
+template <bool kStore, bool kPromote, bool kCentred>
+inline void StoreAndPromote(const W4A8GemmArgs& a, int64_t tiles, int64_t row0, int64_t gi,
+                            __m512 scale, int32_t* c, float* acc) {
+  if (kStore) {
+    _tile_stored(0, c, 64);
+    if (tiles > 1) _tile_stored(1, c + 256, 64);
+    if (tiles > 2) _tile_stored(2, c + 512, 64);
+    if (tiles > 3) _tile_stored(3, c + 768, 64);
+  }
+  if (kPromote) {
+    const int64_t groups = a.shape.groups();
+    const int64_t rows = std::min<int64_t>(tiles * 16, a.m - row0);
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512i cen = _mm512_loadu_si512(c + i * 16);
+      if (!kCentred) {
+        const int64_t row = a.rows[row0 + i];
+        cen = _mm512_sub_epi32(cen, _mm512_set1_epi32(a.act.sum8[row * groups + gi]));
+      }
+      float* dst = acc + (row0 + i) * 16;
+      _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(cen), scale, _mm512_loadu_ps(dst)));
+    }
+  }
+}
+
 // kPromote: int32 sums promoted each group; kStore: C tiles stored each group; kUnpack: the
 // group's nibbles unpacked each group; kChunkA: A laid out [chunk][row][64] (stride 64 bytes).
 template <bool kPromote, bool kStore, bool kUnpack, bool kChunkA>
@@ -108,22 +134,7 @@ void AmxVariant(const W4A8GemmArgs& a) {
             }
           }
         }
-        if (kStore) {
-          _tile_stored(0, &c[0], 64);
-          if (tiles > 1) _tile_stored(1, &c[256], 64);
-          if (tiles > 2) _tile_stored(2, &c[512], 64);
-          if (tiles > 3) _tile_stored(3, &c[768], 64);
-        }
-        if (kPromote) {
-          const int64_t rows = std::min<int64_t>(tiles * 16, a.m - row0);
-          for (int64_t i = 0; i < rows; ++i) {
-            const int64_t row = a.rows[row0 + i];
-            const __m512i sums = _mm512_loadu_si512(&c[i * 16]);
-            const __m512i cen = _mm512_sub_epi32(sums, _mm512_set1_epi32(a.act.sum8[row * groups + gi]));
-            float* dst = &acc[(row0 + i) * 16];
-            _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(cen), scale, _mm512_loadu_ps(dst)));
-          }
-        }
+        StoreAndPromote<kStore, kPromote, false>(a, tiles, row0, gi, scale, c.data(), acc.data());
       }
     }
     StoreTile(a, nt, acc.data());
@@ -207,24 +218,7 @@ void AmxPingPong(const W4A8GemmArgs& a) {
           case 2: PingPongGroup<2, kSigned>(a0, k, bbuf.data()); break;
           default: PingPongGroup<1, kSigned>(a0, k, bbuf.data()); break;
         }
-        if (kStore) {
-          _tile_stored(0, &c[0], 64);
-          if (tiles > 1) _tile_stored(1, &c[256], 64);
-          if (tiles > 2) _tile_stored(2, &c[512], 64);
-          if (tiles > 3) _tile_stored(3, &c[768], 64);
-        }
-        if (kPromote) {
-          const int64_t rows = std::min<int64_t>(tiles * 16, a.m - row0);
-          for (int64_t i = 0; i < rows; ++i) {
-            __m512i cen = _mm512_loadu_si512(&c[i * 16]);
-            if (!kSigned) {
-              const int64_t row = a.rows[row0 + i];
-              cen = _mm512_sub_epi32(cen, _mm512_set1_epi32(a.act.sum8[row * groups + gi]));
-            }
-            float* dst = &acc[(row0 + i) * 16];
-            _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(cen), scale, _mm512_loadu_ps(dst)));
-          }
-        }
+        StoreAndPromote<kStore, kPromote, kSigned>(a, tiles, row0, gi, scale, c.data(), acc.data());
       }
     }
     StoreTile(a, nt, acc.data());
