@@ -504,6 +504,10 @@ class KtkLayers:
     self.skipped: dict[str, str] = {}
     self.methods: dict[str, list] = {}
     flags = cpu_flags()
+    if not methods:  # its fastest kernels here: AMX / AVX-512 online-quantized, else GPTQ
+      online = [m for m in KTK_METHODS
+                if m not in KTK_GPTQ_METHODS and getattr(ext.moe, KTK_CLASSES[m], None)]
+      methods = online or list(KTK_GPTQ_METHODS)
     for method in methods:
       if getattr(ext.moe, KTK_CLASSES[method], None) is None:
         self.skipped[method] = (f"kt-kernel's {self.variant} build has no {KTK_CLASSES[method]} "
@@ -645,7 +649,7 @@ def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> Ktk
   # 2-core VM and the 16-core Xeon: 8-9 ms a layer at T=1 whatever the experts).
   threads = args.ktk_threads or max(1, args.threads_used - 1)
   progress(f"{shape.name}: kt-kernel loading {len(stacks)} layers "
-           f"({','.join(args.ktk_methods)}, {threads} threads)")
+           f"({','.join(args.ktk_methods) or 'its default methods'}, {threads} threads)")
   start = time.perf_counter()
   try:
     ktk = KtkLayers(kt_kernel, shape, stacks, args.ktk_methods, threads, max(args.tokens))
@@ -659,13 +663,15 @@ def ktk_peer(shape: Shape, stacks: list[Experts], args, notes: list[str]) -> Ktk
     progress(f"kt-kernel {method} skipped: {why}")
   if not ktk.methods:
     return None
-  notes.append(f"kt-kernel {ktk.version} ({ktk.variant} build): {', '.join(ktk.methods)}, "
-               + ("; ".join(part for part in (
-                   "AMX ones quantized by its online quantizer from the bf16 weights"
-                   if set(ktk.methods) - set(KTK_GPTQ_METHODS) else "",
-                   "GPTQ ones loaded from our int4 experts as exact symmetric GPTQ tensors"
-                   if set(ktk.methods) & set(KTK_GPTQ_METHODS) else "") if part))
-               + f" in {time.perf_counter() - start:.0f} s; {len(stacks)} layers chained as ours, one "
+  online = [m for m in ktk.methods if m not in KTK_GPTQ_METHODS]
+  gptq = [m for m in ktk.methods if m in KTK_GPTQ_METHODS]
+  how = "; ".join(
+      ([f"{', '.join(online)} quantized by its online quantizer from the bf16 weights"]
+       if online else [])
+      + ([f"{', '.join(gptq)} given our int4 experts as exact symmetric GPTQ tensors"]
+         if gptq else []))
+  notes.append(f"kt-kernel {ktk.version} ({ktk.variant} build): {how}, loaded in "
+               f"{time.perf_counter() - start:.0f} s; {len(stacks)} layers chained as ours, one "
                f"worker pool of {threads} threads on NUMA node {ktk.numa_node}, each layer "
                "submitted and waited for (CPUInfer.submit / sync, the caller spinning); after "
                "each of its calls the "
@@ -1145,8 +1151,9 @@ def main(argv=None) -> int:
   parser.add_argument("--baselines", default="ort,ktk",
                       help="comma-separated subset of ort,ktk,ref,xla (empty for none; ort and "
                            "ktk are skipped with the reason printed when not installed)")
-  parser.add_argument("--ktk-methods", default=",".join(KTK_METHODS),
-                      help=f"kt-kernel methods timed (subset of {','.join(KTK_METHODS)})")
+  parser.add_argument("--ktk-methods", default="",
+                      help=f"kt-kernel methods timed (subset of {','.join(KTK_METHODS)}; default: "
+                           "AMXINT4,AMXINT8 where its build has them, else its GPTQ kernels)")
   parser.add_argument("--ktk-path", default=os.environ.get("JAX_MOEQ_KTK_PATH"),
                       help="folder holding kt_kernel, kt_kernel.libs and gguf, put first on "
                            "sys.path (default: $JAX_MOEQ_KTK_PATH, else wherever Python finds it)")

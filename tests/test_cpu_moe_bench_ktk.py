@@ -77,7 +77,9 @@ def test_ktk_peer_matches_the_float_reference_on_a_tiny_shape():
   if path is None:
     pytest.skip("kt-kernel does not import here (pip install --no-deps kt-kernel, or set "
                 "JAX_MOEQ_KTK_PATH to an unpacked copy)")
-  stdout, result = _run_bench("--baselines", "ktk", *(["--ktk-path", path] if path else []))
+  stdout, result = _run_bench("--baselines", "ktk", "--ktk-methods",
+                              "AMXINT4,AMXINT8,GPTQINT4,GPTQINT4_VNNI256",
+                              *(["--ktk-path", path] if path else []))
   row = result["rows"]["tiny"][0]
   check = re.search(r"check at T=8, layer 0, .*rel\. Frobenius error (.*)", stdout)
   assert check, stdout[-3000:]
