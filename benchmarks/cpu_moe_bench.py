@@ -537,8 +537,9 @@ class KtkLayers:
       for method in gptq:
         self.methods[method].append(self._load_gptq(ext, KTK_CLASSES[method], layer, experts))
 
-  def _load(self, ext, *, cls_name: str, layer: int, gate, up, down):
-    """One layer's experts, quantized from bf16 by kt-kernel (nothing written to disk)."""
+  def _config(self, ext, layer: int):
+    """A layer's MOEConfig: every expert on the CPU, this pool, buffers of max_len rows, nothing
+    saved to or loaded from disk."""
     s = self.shape
     config = ext.moe.MOEConfig(s.num_experts, s.top_k, s.hidden_size, s.intermediate_size,
                                self.gpu_mask.data_ptr())
@@ -546,12 +547,20 @@ class KtkLayers:
     config.pool = self.cpu_infer.backend_
     config.max_len = self.max_len
     config.save, config.load = False, False
-    config.gate_proj, config.up_proj, config.down_proj = (
-        gate.data_ptr(), up.data_ptr(), down.data_ptr())
-    moe = getattr(ext.moe, cls_name)(config)
+    return config
+
+  def _loaded(self, moe):
+    """`moe` after its weights are loaded (its load task run on the pool and waited for)."""
     self.cpu_infer.submit(moe.load_weights_task(self.expert_map.data_ptr()))
     self.cpu_infer.sync()
     return moe
+
+  def _load(self, ext, *, cls_name: str, layer: int, gate, up, down):
+    """One layer's experts, quantized from bf16 by kt-kernel (nothing written to disk)."""
+    config = self._config(ext, layer)
+    config.gate_proj, config.up_proj, config.down_proj = (
+        gate.data_ptr(), up.data_ptr(), down.data_ptr())
+    return self._loaded(getattr(ext.moe, cls_name)(config))
 
   def _load_gptq(self, ext, cls_name: str, layer: int, experts: Experts):
     """One layer's experts handed to kt-kernel as symmetric GPTQ int4 tensors (per expert: gate,
@@ -572,11 +581,7 @@ class KtkLayers:
         scales[name].append(torch.from_numpy(scale))
     if not had_q:
       experts._q = None
-    config = ext.moe.MOEConfig(s.num_experts, s.top_k, s.hidden_size, s.intermediate_size,
-                               self.gpu_mask.data_ptr())
-    config.layer_idx = layer
-    config.pool = self.cpu_infer.backend_
-    config.max_len = self.max_len
+    config = self._config(ext, layer)
     config.gate_projs = [[t.data_ptr() for t in tensors["gate"]]]
     config.up_projs = [[t.data_ptr() for t in tensors["up"]]]
     config.down_projs = [[t.data_ptr() for t in tensors["down"]]]
@@ -586,10 +591,8 @@ class KtkLayers:
     config.quant_config.bits = 4
     config.quant_config.group_size = experts.group_size
     config.quant_config.zero_point = False
-    moe = getattr(ext.moe, cls_name)(config)
-    self.cpu_infer.submit(moe.load_weights_task(self.expert_map.data_ptr()))
-    self.cpu_infer.sync()
-    del tensors, scales
+    moe = self._loaded(getattr(ext.moe, cls_name)(config))
+    del tensors, scales  # kept alive until the load task has copied them
     return moe
 
   def feeds(self, routings: list) -> list:
