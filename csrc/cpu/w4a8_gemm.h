@@ -25,9 +25,13 @@ struct QuantizedActivations {
 inline constexpr int64_t kPrefetchL1Bytes = 1024;
 inline constexpr int64_t kPrefetchL2Bytes = 4096;
 // The AVX2 loop issues ~20 instructions per block against VNNI's ~8, so fewer blocks fit its
-// out-of-order window: prefetching into L1 twice as far ahead keeps the stream busy (AMD EPYC,
-// 2 threads, OLMoE, 2026-11-25: AVX2 / VNNI time at T=1 1.28 -> 1.11-1.20, at T=8 1.26 -> 1.10).
-inline constexpr int64_t kPrefetchL1BytesAvx2 = 2048;
+// out-of-order window. It prefetches each line once, into L1, as far ahead as the L2 prefetch of
+// the other paths: one prefetch instruction per block fewer, and the lines in L1 when the loop
+// reaches them. AMD EPYC, 2 threads, AVX2 / VNNI time in one process, 3 processes per build
+// (2026-11-28): OLMoE T=1 1.10-1.14 -> 1.05-1.08, T=8 1.16-1.20 -> 1.14-1.17; Qwen3-30B-A3B
+// T=1 1.16-1.18 -> 1.12-1.13, T=8 1.17-1.19 -> 1.11-1.12; T = 32 and 128 level. (Before that,
+// 2 KB into L1 plus 4 KB into L2; 1 KB into L1 was slower still.)
+inline constexpr int64_t kPrefetchL1BytesAvx2 = 4096;
 
 struct W4A8GemmArgs {
   const uint8_t* weights;     // one expert, packed
