@@ -454,28 +454,21 @@ def _torch_bf16(a: np.ndarray):
   return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
 
 
-def cpu_flags() -> set[str]:
-  """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return set(line.split(":", 1)[1].split())
-  except OSError:
-    pass
-  return set()
+@functools.cache
+def _gptq_packer():
+  """The checkpoint loader's GPTQ packing (int4 [out, in] -> qweight int32 [in / 8, out]), jitted
+  once per process."""
+  from jax_moeq.quant import int4
+  return jax.jit(int4.pack_uint4b8_gptq)
 
 
 def gptq_int4(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """One projection's int4 values q [out, in] in [-8, 7] and scales [out, in / group] as
   symmetric GPTQ tensors (the AutoGPTQ layout): qweight int32 [in / 8, out], input k in bits
   4 (k % 8) of row k // 8 as q + 8; scales float32 [in / group, out]. Exact: q · scale is the
-  same weight."""
-  u = (q.astype(np.uint32) + 8).T.reshape(q.shape[1] // 8, 8, q.shape[0])
-  qweight = np.zeros((q.shape[1] // 8, q.shape[0]), np.uint32)
-  for j in range(8):
-    qweight |= u[:, j, :] << np.uint32(4 * j)
-  return qweight.view(np.int32), np.ascontiguousarray(scale.astype(np.float32).T)
+  same weight. Both writable numpy arrays (torch refuses read-only ones)."""
+  qweight = np.array(_gptq_packer()(q), copy=True)
+  return qweight, np.ascontiguousarray(scale.astype(np.float32).T)
 
 
 class KtkLayers:
@@ -503,7 +496,7 @@ class KtkLayers:
     self.expert_map = torch.arange(shape.num_experts, dtype=torch.int64)
     self.skipped: dict[str, str] = {}
     self.methods: dict[str, list] = {}
-    flags = cpu_flags()
+    flags = _timing.cpu_model_and_flags()[1]
     if not methods:  # its fastest kernels here: AMX / AVX-512 online-quantized, else GPTQ
       online = [m for m in KTK_METHODS
                 if m not in KTK_GPTQ_METHODS and getattr(ext.moe, KTK_CLASSES[m], None)]
