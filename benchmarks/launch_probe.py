@@ -13,10 +13,15 @@ The ops: wna16, mxint4 and w4a8 (whose launch has none of these choices: "auto" 
 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
-(host dispatch included).
+(host dispatch included). Beside each, the library's handler runs per executable call
+(`jax_moeq_cuda_handler_runs`): 0 where XLA replays its captured command buffer, 8 (one per
+layer) where it runs the handlers, i.e. captures or launches them anew, on every call.
+LAUNCH_PROBE_LAYERS=N sets the layers per graph call (8), LAUNCH_PROBE_GRAPH_ONLY=1 skips the
+dispatch timing.
 """
 
 import contextlib
+import ctypes
 import os
 import statistics
 import sys
@@ -34,7 +39,14 @@ import mxint4_bench  # noqa: E402
 import w4a8_gpu_bench  # noqa: E402
 
 ROUNDS = 5
-SETS = gpu_moe_bench.ROUTING_SETS
+# LAUNCH_PROBE_LAYERS=N: N layers (own weights and routing) per graph call instead of 8. A call's
+# host work grows with its arguments (13 weight arrays a layer); at 8 layers and one token it can
+# take longer than the GPU's work, at 32 it no longer does (docs/performance.md).
+SETS = int(os.environ.get("LAUNCH_PROBE_LAYERS", gpu_moe_bench.ROUTING_SETS))
+gpu_moe_bench.ROUTING_SETS = SETS  # routing_sets draws this many
+# LAUNCH_PROBE_GRAPH_ONLY=1: time the graphs only. The dispatch timing between them leaves the GPU
+# mostly idle (host-bound calls), and a graph timed right after it can start below full clocks.
+GRAPH_ONLY = os.environ.get("LAUNCH_PROBE_GRAPH_ONLY") == "1"
 
 
 def make_op(op: str, name: str, t: int):
@@ -115,17 +127,47 @@ def main():
       jax.block_until_ready(graph[label](*multi_args))
       jax.block_until_ready(single[label](*one_args[0]))
   times = {(label, how): [] for label in labels for how in ("graph", "dispatch")}
+  runs = {key: [0, 0] for key in times}  # handler runs, executable calls
+  handler_runs = _handler_runs_reader()
   for r in range(ROUNDS):
     for label in labels:
-      times[(label, "graph")].append(
-          gpu_moe_bench.time_calls(graph[label], [multi_args], min_time=0.1, reps=3) / SETS)
-      times[(label, "dispatch")].append(
-          gpu_moe_bench.time_calls(single[label], one_args, min_time=0.1, reps=3))
+      for how, fn, args_list, per in (("graph", graph[label], [multi_args], SETS),
+                                      ("dispatch", single[label], one_args, 1)):
+        if how == "dispatch" and GRAPH_ONLY:
+          continue
+        counted = _counting(fn, runs[(label, how)])
+        before = handler_runs()
+        times[(label, how)].append(
+            gpu_moe_bench.time_calls(counted, args_list, min_time=0.1, reps=3) / per)
+        runs[(label, how)][0] += handler_runs() - before
     print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
+  per_call = lambda key: runs[key][0] / max(1, runs[key][1])
+  us = lambda key: (f"{statistics.median(times[key]) * 1e6:.1f} us (handler runs per call "
+                    f"{per_call(key):.2f})" if times[key] else "not timed")
   for label in labels:
-    print(f"{op} {name} T={t} {label}: graph {statistics.median(times[(label, 'graph')]) * 1e6:.1f}"
-          f" us, dispatch {statistics.median(times[(label, 'dispatch')]) * 1e6:.1f} us "
-          f"(medians of {ROUNDS} rounds)", flush=True)
+    print(f"{op} {name} T={t} {label}: graph {us((label, 'graph'))}, dispatch "
+          f"{us((label, 'dispatch'))} (medians of {ROUNDS} rounds)", flush=True)
+
+
+def _handler_runs_reader():
+  """() -> the library's handler runs so far (always 0 for a library built without the
+  counter)."""
+  from jax_moeq import _ffi
+  lib = _ffi.cuda_library()
+  try:
+    fn = lib.jax_moeq_cuda_handler_runs
+  except AttributeError:
+    return lambda: 0
+  fn.restype = ctypes.c_uint64
+  return lambda: int(fn())
+
+
+def _counting(fn, tally):
+  """fn, counting its calls in tally[1]."""
+  def call(*args):
+    tally[1] += 1
+    return fn(*args)
+  return call
 
 
 if __name__ == "__main__":

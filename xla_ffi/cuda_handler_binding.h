@@ -5,7 +5,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -76,14 +78,34 @@ auto IgnoringAliasedInput(Impl impl) {
   };
 }
 
+// Runs of the MoE handlers in this process (read by `jax_moeq_cuda_handler_runs`). Under XLA's
+// command buffers a handler runs when its launches are captured, not when the captured graph is
+// replayed: a benchmark that sees runs on every call is timing capture, not replay.
+inline std::atomic<uint64_t>& HandlerRuns() {
+  static std::atomic<uint64_t> runs{0};
+  return runs;
+}
+
+// `impl`, counted in HandlerRuns.
+template <typename Impl>
+auto Counted(Impl impl) {
+  return [impl](auto... params) -> ffi::Error {
+    HandlerRuns().fetch_add(1, std::memory_order_relaxed);
+    return impl(params...);
+  };
+}
+
 }  // namespace jax_moeq::ffi_cuda
 
 // Defines the handler symbols of a target and of its "_into" twin: `plain` binds
 // bind_rest(bind_inputs()), `into` the same with one extra input after the inputs (see
 // IgnoringAliasedInput). Both are stream-ordered without host syncs, so graph-capturable.
 #define JAX_MOEQ_DEFINE_CUDA_HANDLER_PAIR(plain, into, impl, bind_inputs, bind_rest)         \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(plain, impl, bind_rest(bind_inputs()),                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(plain, ::jax_moeq::ffi_cuda::Counted(impl),                \
+                                bind_rest(bind_inputs()),                                   \
                                 {::xla::ffi::Traits::kCmdBufferCompatible});                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(into, ::jax_moeq::ffi_cuda::IgnoringAliasedInput(impl),     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(into,                                                       \
+                                ::jax_moeq::ffi_cuda::Counted(                              \
+                                    ::jax_moeq::ffi_cuda::IgnoringAliasedInput(impl)),      \
                                 bind_rest(bind_inputs().Arg<::xla::ffi::AnyBuffer>()),      \
                                 {::xla::ffi::Traits::kCmdBufferCompatible})

@@ -1,7 +1,10 @@
 // Registry of the CUDA library's FFI handlers, read by jax_moeq/_ffi.py via
 // ctypes. One line per target; the two arrays stay in step.
+#include <cstdint>
+
 #include "xla/ffi/api/c_api.h"
 #include "xla_ffi/abi_version.h"
+#include "xla_ffi/cuda_handler_binding.h"
 
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxMoeqWna16MoeCudaInto(XLA_FFI_CallFrame* call_frame);
@@ -52,6 +55,11 @@ extern "C" __attribute__((visibility("default"))) int jax_moeq_cuda_targets(cons
   *names = kTargetNames;
   *handlers = kTargetHandlers;
   return static_cast<int>(sizeof(kTargetNames) / sizeof(kTargetNames[0]));
+}
+
+// How many times XLA has run the MoE handlers in this process (HandlerRuns).
+extern "C" __attribute__((visibility("default"))) uint64_t jax_moeq_cuda_handler_runs() {
+  return jax_moeq::ffi_cuda::HandlerRuns().load(std::memory_order_relaxed);
 }
 
 // Checked by jax_moeq/_ffi.py before it registers any handler (xla_ffi/abi_version.h).
