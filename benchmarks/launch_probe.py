@@ -14,14 +14,13 @@ The ops: wna16, mxint4 and w4a8 (whose launch has none of these choices: "auto" 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
 call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
 (host dispatch included). Beside each, the library's handler runs per executable call
-(`jax_moeq_cuda_handler_runs`): 0 where XLA replays its captured command buffer, 8 (one per
-layer) where it runs the handlers, i.e. captures or launches them anew, on every call.
+(`_ffi.cuda_handler_runs`): 0 where XLA replays its captured command buffer, one per layer where
+it runs the handlers, i.e. captures or launches them anew, on every call.
 LAUNCH_PROBE_LAYERS=N sets the layers per graph call (8), LAUNCH_PROBE_GRAPH_ONLY=1 skips the
 dispatch timing.
 """
 
 import contextlib
-import ctypes
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibli
 import _timing  # noqa: E402
 
 _timing.use_source_tree_if_not_installed()
+from jax_moeq import _ffi  # noqa: E402
 from jax_moeq.ops import _gpu_launch, mxint4_gpu, w4a8_gpu, wna16_gpu  # noqa: E402
 import gpu_moe_bench  # noqa: E402
 import mxint4_bench  # noqa: E402
@@ -128,7 +128,7 @@ def main():
       jax.block_until_ready(single[label](*one_args[0]))
   times = {(label, how): [] for label in labels for how in ("graph", "dispatch")}
   runs = {key: [0, 0] for key in times}  # handler runs, executable calls
-  handler_runs = _handler_runs_reader()
+  counted_runs = _ffi.cuda_handler_runs() is not None  # (a library without the counter: None)
   for r in range(ROUNDS):
     for label in labels:
       for how, fn, args_list, per in (("graph", graph[label], [multi_args], SETS),
@@ -136,30 +136,19 @@ def main():
         if how == "dispatch" and GRAPH_ONLY:
           continue
         counted = _counting(fn, runs[(label, how)])
-        before = handler_runs()
+        before = _ffi.cuda_handler_runs()
         times[(label, how)].append(
             gpu_moe_bench.time_calls(counted, args_list, min_time=0.1, reps=3) / per)
-        runs[(label, how)][0] += handler_runs() - before
+        if counted_runs:
+          runs[(label, how)][0] += _ffi.cuda_handler_runs() - before
     print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
-  per_call = lambda key: runs[key][0] / max(1, runs[key][1])
+  per_call = lambda key: (f"{runs[key][0] / max(1, runs[key][1]):.2f}" if counted_runs
+                          else "not counted")
   us = lambda key: (f"{statistics.median(times[key]) * 1e6:.1f} us (handler runs per call "
-                    f"{per_call(key):.2f})" if times[key] else "not timed")
+                    f"{per_call(key)})" if times[key] else "not timed")
   for label in labels:
     print(f"{op} {name} T={t} {label}: graph {us((label, 'graph'))}, dispatch "
           f"{us((label, 'dispatch'))} (medians of {ROUNDS} rounds)", flush=True)
-
-
-def _handler_runs_reader():
-  """() -> the library's handler runs so far (always 0 for a library built without the
-  counter)."""
-  from jax_moeq import _ffi
-  lib = _ffi.cuda_library()
-  try:
-    fn = lib.jax_moeq_cuda_handler_runs
-  except AttributeError:
-    return lambda: 0
-  fn.restype = ctypes.c_uint64
-  return lambda: int(fn())
 
 
 def _counting(fn, tally):

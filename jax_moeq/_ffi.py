@@ -198,6 +198,17 @@ def cuda_library_available() -> bool:
   return _loads(cuda_library, (NativeLibraryError, OSError, AttributeError))
 
 
+def cuda_handler_runs() -> int | None:
+  """How many times XLA has run the CUDA ops' handlers in this process (a command buffer that
+  XLA replays runs none), or None for a library built without the counter."""
+  try:
+    runs = cuda_library().jax_moeq_cuda_handler_runs
+  except AttributeError:
+    return None
+  runs.restype = ctypes.c_uint64
+  return int(runs())
+
+
 def cuda_compute_capability() -> tuple[int, int] | None:
   """(major, minor) of the first CUDA device JAX sees, or None."""
   try:

@@ -24,16 +24,20 @@ def test_cpu_library_has_this_version():
   assert _ffi.cpu_module().ABI_VERSION == _ffi.FFI_ABI_VERSION
 
 
-def _fake_cuda_library(tmp_path, version):
+def _fake_cuda_library(tmp_path, version, handler_runs=None):
   """A shared library exporting the CUDA library's registry with no targets and, unless
-  `version` is None, jax_moeq_cuda_abi_version() == version."""
+  `version` is None, jax_moeq_cuda_abi_version() == version; unless `handler_runs` is None,
+  jax_moeq_cuda_handler_runs() == handler_runs."""
   source = ["int jax_moeq_cuda_targets(const char*** names, void*** handlers) {",
             "  *names = 0; *handlers = 0; return 0; }"]
   if version is not None:
     source.append(f"int jax_moeq_cuda_abi_version(void) {{ return {version}; }}")
+  if handler_runs is not None:
+    source.append("unsigned long long jax_moeq_cuda_handler_runs(void) "
+                  f"{{ return {handler_runs}ULL; }}")
   c_file = tmp_path / "fake.c"
   c_file.write_text("\n".join(source) + "\n")
-  so_file = tmp_path / f"libfake_{version}.so"
+  so_file = tmp_path / f"libfake_{version}_{handler_runs}.so"
   subprocess.run([shutil.which("cc"), "-shared", "-fPIC", "-o", str(so_file), str(c_file)],
                  check=True, capture_output=True, timeout=120)
   return so_file
@@ -57,6 +61,16 @@ def test_cuda_library_of_another_version_is_refused(tmp_path, version):
                      match=rf"{re.escape(str(path))} was built for FFI contract {found}, "
                            rf"this jax_moeq needs version {_ffi.FFI_ABI_VERSION}: rebuild"):
     _ffi.load_cuda_library(path)
+
+
+@needs_cc
+@pytest.mark.parametrize("handler_runs", [None, 0, 2**40 + 7])
+def test_cuda_handler_runs_reads_the_counter_or_says_none(tmp_path, monkeypatch, handler_runs):
+  """The handler-run counter as a Python int (all 64 bits), or None from a library built
+  without it."""
+  path = _fake_cuda_library(tmp_path, _ffi.FFI_ABI_VERSION, handler_runs)
+  monkeypatch.setattr(_ffi, "cuda_library", lambda: _ffi.load_cuda_library(path))
+  assert _ffi.cuda_handler_runs() == handler_runs
 
 
 @needs_cc

@@ -614,17 +614,14 @@ def test_handler_runs_are_counted():
   """The CUDA library counts its MoE handlers' runs (benchmarks read it to tell a replayed
   command buffer, which runs none, from one captured again): the first execution of a new
   executable runs the handler."""
-  import ctypes
   from jax_moeq import _ffi
-  runs = _ffi.cuda_library().jax_moeq_cuda_handler_runs
-  runs.restype = ctypes.c_uint64
   weights, _ = _build(7, 8, 256, 256, 64, jnp.bfloat16)
   topk_w, topk_ids = _routing(7, 1, 8, 2)
   x = jax.random.normal(jax.random.PRNGKey(11), (1, 256), jnp.float32).astype(jnp.bfloat16)
-  before = runs()
+  before = _ffi.cuda_handler_runs()
   jax.block_until_ready(jax.jit(lambda *a: wna16_gpu.fused_marlin_moe(*a))(x, weights, topk_w,
                                                                           topk_ids))
-  assert runs() > before
+  assert _ffi.cuda_handler_runs() > before
 
 
 def test_jit_matches_eager():

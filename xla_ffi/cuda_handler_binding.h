@@ -78,8 +78,9 @@ auto IgnoringAliasedInput(Impl impl) {
   };
 }
 
-// Runs of the MoE handlers in this process (read by `jax_moeq_cuda_handler_runs`). Under XLA's
-// command buffers a handler runs when its launches are captured, not when the captured graph is
+// Runs of the handlers that JAX_MOEQ_DEFINE_CUDA_HANDLER_PAIR defines (the ops' targets and
+// their "_into" twins) in this process, read by `jax_moeq_cuda_handler_runs`. Under XLA's command
+// buffers a handler runs when its launches are captured, not when the captured graph is
 // replayed: a benchmark that sees runs on every call is timing capture, not replay.
 inline std::atomic<uint64_t>& HandlerRuns() {
   static std::atomic<uint64_t> runs{0};

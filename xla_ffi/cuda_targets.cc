@@ -57,7 +57,7 @@ extern "C" __attribute__((visibility("default"))) int jax_moeq_cuda_targets(cons
   return static_cast<int>(sizeof(kTargetNames) / sizeof(kTargetNames[0]));
 }
 
-// How many times XLA has run the MoE handlers in this process (HandlerRuns).
+// How many times XLA has run the ops' handlers in this process (HandlerRuns).
 extern "C" __attribute__((visibility("default"))) uint64_t jax_moeq_cuda_handler_runs() {
   return jax_moeq::ffi_cuda::HandlerRuns().load(std::memory_order_relaxed);
 }
