@@ -3,8 +3,8 @@
 # and the stream / one-token / handler GPU tests (beside each other), then in-process A/B of the
 # launch forms (launch_probe.py) and per-kernel ncu times. Results under $OUT.
 #   OUT=/tmp/s bash benchmarks/gpu_stream_ab.sh
-# Environment: STAGES (default "check ab ncu"), AB_VARIANTS (default "auto auto/kernels"),
-# AB_CASES (op:shape pairs), NCU_VARIANTS.
+# Environment: STAGES (default "check ab ncu"; "gap" times graph_gap_probe.py), AB_VARIANTS
+# (default "auto auto/kernels"), AB_CASES (op:shape pairs), NCU_VARIANTS, GAP_* (the gap stage).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_stream_ab}
@@ -30,6 +30,24 @@ if [[ " $STAGES " == *" ab "* ]]; then
       ${AB_VARIANTS:-auto auto/kernels} 2>/dev/null | tee -a "$OUT/ab.txt"
   done
   echo "ab: $(( $(date +%s) - start )) s"
+fi
+if [[ " $STAGES " == *" gap "* ]]; then
+  # Where the graph's time goes (graph_gap_probe.py), one process per library in turn: GAP_LIBS
+  # (paths under the tree; the first the tree's build), GAP_CASES, GAP_VARIANTS, GAP_ROUNDS.
+  # 32 chained layers a call over 8 weight sets: enough GPU work a call that the host's dispatch
+  # no longer sets the wall time (docs/gpu_notes.md, "Measuring on the GPU").
+  for r in $(seq "${GAP_ROUNDS:-2}"); do
+    for case in ${GAP_CASES:-wna16:Qwen3-30B-A3B wna16:DeepSeek-V2-Lite}; do
+      for lib in ${GAP_LIBS:-jax_moeq/lib/libjax_moeq_cuda.so}; do
+        echo "== round $r: $lib" | tee -a "$OUT/gap.txt"
+        JAX_MOEQ_CUDA_LIBRARY=$PWD/$lib LAUNCH_PROBE_CHAIN=1 LAUNCH_PROBE_LAYERS=${GAP_LAYERS:-32} \
+          LAUNCH_PROBE_WEIGHT_SETS=8 \
+          timeout 150 python3 benchmarks/graph_gap_probe.py "${case%%:*}" "${case#*:}" 1 \
+          ${GAP_VARIANTS:-auto} 2>/dev/null | tee -a "$OUT/gap.txt"
+      done
+    done
+  done
+  echo "gap: $(( $(date +%s) - start )) s"
 fi
 if [[ " $STAGES " == *" ncu "* ]]; then
   for v in ${NCU_VARIANTS:-auto}; do

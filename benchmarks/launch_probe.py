@@ -16,8 +16,9 @@ call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a t
 (host dispatch included). Beside each, the library's handler runs per executable call
 (`_ffi.cuda_handler_runs`): 0 where XLA replays its captured command buffer, one per layer where
 it runs the handlers, i.e. captures or launches them anew, on every call.
-LAUNCH_PROBE_LAYERS=N sets the layers per graph call (8), LAUNCH_PROBE_GRAPH_ONLY=1 skips the
-dispatch timing.
+LAUNCH_PROBE_LAYERS=N sets the layers per graph call (8), LAUNCH_PROBE_WEIGHT_SETS=M the weight
+sets they take in turn (N), LAUNCH_PROBE_CHAIN=1 chains the layers (each takes the previous one's
+output; the call returns the last), LAUNCH_PROBE_GRAPH_ONLY=1 skips the dispatch timing.
 """
 
 import contextlib
@@ -47,36 +48,56 @@ gpu_moe_bench.ROUTING_SETS = SETS  # routing_sets draws this many
 # LAUNCH_PROBE_GRAPH_ONLY=1: time the graphs only. The dispatch timing between them leaves the GPU
 # mostly idle (host-bound calls), and a graph timed right after it can start below full clocks.
 GRAPH_ONLY = os.environ.get("LAUNCH_PROBE_GRAPH_ONLY") == "1"
+# LAUNCH_PROBE_WEIGHT_SETS=M: the layers take their weights from M sets in turn (layer j from set
+# j % M), each layer with its own routing, so a call's arguments stop growing with its layers.
+# With 8 sets a set's experts come back only after 7 other layers' reads (colder than the L2).
+WEIGHT_SETS = int(os.environ.get("LAUNCH_PROBE_WEIGHT_SETS", SETS))
+# LAUNCH_PROBE_CHAIN=1: each layer takes the previous layer's output and the call returns the
+# last one, as a model's layers do, instead of every layer taking x and the call returning all
+# their outputs.
+CHAIN = os.environ.get("LAUNCH_PROBE_CHAIN") == "1"
+
+
+def _layers(one, x, per_layer):
+  """The graph's layers: one(x, *per_layer(j)) for every j, as a list of outputs, or (CHAIN) as a
+  chain returning its last output."""
+  if not CHAIN:
+    return [one(x, *per_layer(j)) for j in range(SETS)]
+  for j in range(SETS):
+    x = one(x, *per_layer(j))
+  return x
 
 
 def make_op(op: str, name: str, t: int):
   """(traceable fn(x, per-layer weights, stacked routing), its args, per-call body, per-call args
-  list). Each of the SETS layers has its own weights (gpu_moe_bench.layer_weights), as in the
-  benchmarks. Weights and inputs are arguments, never closed over: a jit would embed them as
+  list). The SETS layers take their weights from WEIGHT_SETS sets in turn
+  (gpu_moe_bench.layer_weights; by default one set a layer, as in the benchmarks). Weights and inputs are arguments, never closed over: a jit would embed them as
   constants."""
   if op in ("wna16", "w4a8"):
     e, k, h, i = gpu_moe_bench.SHAPES[name]
     make = gpu_moe_bench.random_weights if op == "wna16" else w4a8_gpu_bench.random_w4a8_weights
-    layers = gpu_moe_bench.layer_weights(lambda key: make(key, e, h, i), SETS)
+    layers = gpu_moe_bench.layer_weights(lambda key: make(key, e, h, i), WEIGHT_SETS)
     x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
     sets = gpu_moe_bench.routing_sets(t, t, e, k)
     ids = jnp.stack([jnp.asarray(s[0]) for s in sets])
     w = jnp.stack([jnp.asarray(s[1]) for s in sets])
     moe = wna16_gpu.fused_marlin_moe if op == "wna16" else w4a8_gpu.w4a8_gpu_moe
     one = lambda x, weights, w, ids: moe(x, weights, w, ids)
-    multi = lambda x, wts, w, ids: [one(x, wts[j], w[j], ids[j]) for j in range(SETS)]
-    return multi, (x, layers, w, ids), one, [(x, layers[j], w[j], ids[j]) for j in range(SETS)]
+    multi = lambda x, wts, w, ids: _layers(one, x, lambda j: (wts[j % WEIGHT_SETS], w[j], ids[j]))
+    return multi, (x, layers, w, ids), one, [(x, layers[j % WEIGHT_SETS], w[j], ids[j])
+                                             for j in range(SETS)]
   e, k, h, i = mxint4_bench.SHAPES[name]
   layers = gpu_moe_bench.layer_weights(
       lambda key: [mxint4_bench.random_prepared(key, e, h, i)[n] for n in mxint4_gpu.WEIGHT_KEYS],
-      SETS)
+      WEIGHT_SETS)
   x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
   logits = jnp.stack([jax.random.normal(jax.random.PRNGKey(10 + s), (t, e), jnp.float32)
                       for s in range(SETS)])
   one = lambda x, logits, *weights: mxint4_gpu.mxint4_moe(
       x, logits, *weights, num_experts=e, top_k=k, intermediate_size=i, local_num_experts=e)
-  multi = lambda x, logits, wts: [one(x, logits[j], *wts[j]) for j in range(SETS)]
-  return multi, (x, logits, layers), one, [(x, logits[j], *layers[j]) for j in range(SETS)]
+  multi = lambda x, logits, wts: _layers(one, x, lambda j: (logits[j], *wts[j % WEIGHT_SETS]))
+  return multi, (x, logits, layers), one, [(x, logits[j], *layers[j % WEIGHT_SETS])
+                                           for j in range(SETS)]
 
 
 def parse_variant(text: str):
