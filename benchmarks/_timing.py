@@ -252,3 +252,56 @@ def env_applied(setting: dict[str, str]) -> Iterator[None]:
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+
+
+def profiled_calls(fn: Callable[..., Any], args: Sequence[Any], calls: int
+                   ) -> tuple[list[tuple[int, int]], dict[str, int]]:
+  """`calls` back-to-back calls of fn(*args) under `jax.profiler`: (start_ns, end_ns) of every
+  GPU stream event (kernels, copies), sorted, and the host's runtime events as {name: total ns}
+  (the Python line left out). Without a GPU the first list is empty."""
+  import collections
+  import glob
+  import tempfile
+
+  import jax
+  from jax.profiler import ProfileData
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+    data = ProfileData.from_file(path)
+  events: list[tuple[int, int]] = []
+  host: collections.Counter = collections.Counter()
+  for plane in data.planes:
+    for line in plane.lines:
+      if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
+        events.extend((int(e.start_ns), int(e.start_ns + e.duration_ns)) for e in line.events)
+      elif plane.name == "/host:CPU" and line.name != "python":
+        for e in line.events:
+          host[e.name] += int(e.duration_ns)
+  return sorted(events), host
+
+
+def split_calls(events: Sequence[tuple[int, int]], per_call: int
+                ) -> list[Sequence[tuple[int, int]]]:
+  """Events grouped by call, `per_call` each (a graph's events are the same every call); a
+  trailing partial call is left out."""
+  return [events[i:i + per_call] for i in range(0, len(events) - per_call + 1, per_call)]
+
+
+def gpu_span_per_call(fn: Callable[..., Any], args: Sequence[Any], calls: int = 24
+                      ) -> float | None:
+  """Median seconds from a call's first GPU event start to its last event end, over `calls`
+  back-to-back calls (the first two left out: the trace starts them cold). The GPU's own time
+  for a call's work, without the host's dispatch, which sets the wall time of calls whose GPU
+  work is short (docs/gpu_notes.md, "Measuring on the GPU"). None without GPU events, or when
+  the events do not divide into the calls evenly."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  events, _ = profiled_calls(fn, args, calls)
+  if not events or len(events) % calls:
+    return None
+  spans = [c[-1][1] - c[0][0] for c in split_calls(events, len(events) // calls)[2:]]
+  return statistics.median(spans) * 1e-9

@@ -258,6 +258,10 @@ def argument_parser() -> argparse.ArgumentParser:
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--shapes", default=",".join(SHAPES))
   ap.add_argument("--tokens", default=None, help="comma-separated T values (overrides --quick)")
+  ap.add_argument("--gpu-time", action="store_true",
+                  help="also time our in-graph layers by the GPU's own timestamps (a profiler "
+                       "trace: the span from a call's first kernel to its last, per layer), "
+                       "beside the wall time, which the host's dispatch sets at small T")
   ap.add_argument("--alt-kw", default=None,
                   help='the alternative as op keywords in JSON, e.g. \'{"fused_decode": false}\' '
                        "(the one-token path as separate kernels); overrides the other --alt options; "
@@ -273,6 +277,15 @@ def alternative(args, kw: dict) -> tuple[dict | None, str | None]:
   if args.alt_kw:
     return json.loads(args.alt_kw), args.alt_kw
   return kw, ", ".join(f"{k}={v!r}" for k, v in kw.items())
+
+
+def gpu_us_per_layer(args, call, layers: int) -> float | None:
+  """With --gpu-time, the GPU's time per layer of call() (our graph of `layers` layers), in us,
+  from a profiler trace (_timing.gpu_span_per_call); else None."""
+  if not args.gpu_time:
+    return None
+  span = _timing.gpu_span_per_call(call, ())
+  return None if span is None else span / layers * 1e6
 
 
 def start(args) -> tuple[bool, float, tuple[int, ...]]:
@@ -336,6 +349,8 @@ def main():
                             [(ids, w, layers[j]) for j, (ids, w) in enumerate(dsets)])
       t_alt = None if alt_kw is None else time_calls(
           lambda a, b: alt_multi(x, layers, a, b), [(ids_stack, w_stack)]) / ROUTING_SETS
+      gpu_us = gpu_us_per_layer(args, lambda: ours_multi(x, layers, ids_stack, w_stack),
+                                ROUTING_SETS)
       t_ragged = ragged_time(ragged, x, dsets, w13_bf, w2_bf)
       t_torch = None
       if have_torch:
@@ -346,7 +361,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
-                 alt=alt_name, alt_us=None if t_alt is None else t_alt * 1e6,
+                 gpu_us=gpu_us, alt=alt_name, alt_us=None if t_alt is None else t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12, ragged_us=t_ragged * 1e6,
@@ -359,16 +374,18 @@ def main():
   save_rows(args.json, dev, hbm, rows)
   print(f"\n{dev.device_kind}, copy {hbm / 1e12:.2f} TB/s, bf16 activations, int4 group {GROUP}")
   print("us: per layer, 8 layers (own weights and routing) in one jit; us1: one jit dispatch per call;"
-        f" alt us: as us, {alt_name}; ragged us: one dispatch per layer (see ragged_time)")
+        f" alt us: as us, {alt_name}; ragged us: one dispatch per layer (see ragged_time); "
+        "GPU us: us by the GPU's timestamps (--gpu-time)")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
-        f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
+        f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7} {'GPU us':>8}")
+  fmt = lambda v, f: "n/a" if v is None else format(v, f)
   for r in rows:
-    tt = "n/a" if r["torch_us"] is None else f"{r['torch_us']:.1f}"
-    xt = "n/a" if r["x_torch"] is None else f"{r['x_torch']:.2f}"
     print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} "
-          f"{'n/a' if r['alt_us'] is None else format(r['alt_us'], '.1f'):>8} "
+          f"{fmt(r['alt_us'], '.1f'):>8} "
           f"{r['tbps']:6.2f} {100 * r['hbm_frac']:5.0f} "
-          f"{r['tflops']:8.1f} {r['ragged_us']:10.1f} {r['x_ragged']:8.1f} {tt:>9} {xt:>7}")
+          f"{r['tflops']:8.1f} {r['ragged_us']:10.1f} {r['x_ragged']:8.1f} "
+          f"{fmt(r['torch_us'], '.1f'):>9} {fmt(r['x_torch'], '.2f'):>7} "
+          f"{fmt(r['gpu_us'], '.1f'):>8}")
 
 
 if __name__ == "__main__":

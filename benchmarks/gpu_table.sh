@@ -2,7 +2,8 @@
 # The GPU targets' table in one or two runs on one GPU machine: WNA16 beside XLA's bf16
 # ragged_dot and torch's grouped GEMM, W4A8 beside WNA16, MxInt4, and tokamax's int4 ragged_dot
 # beside WNA16, at T in $TOKENS on the three benchmark shapes. JSON per part in $OUT (the input
-# of benchmarks/plot_gpu_roofline.py), the log in $OUT/table.log.
+# of benchmarks/plot_gpu_roofline.py), the log in $OUT/table.log. WNA16 and MxInt4 rows carry
+# gpu_us, the in-graph time by the GPU's timestamps, beside the wall time (--gpu-time).
 #   PARTS="wna16 w4a8 mxint4" OUT=... bash benchmarks/gpu_table.sh
 #   PARTS=tokamax TOKAMAX_SHAPES=Qwen3-30B-A3B WHEELS=.carry/tkw OUT=... bash benchmarks/gpu_table.sh
 # Expects the CUDA library built (gpu_suite.sh STAGES=build) or installed; tokamax and its
@@ -37,11 +38,11 @@ run() {  # label, command...
   "$@" 2>&1 | tee -a "$log" | grep -vE '^\{' | tail -40
   echo "== $label: $(($(date +%s) - start)) s" | tee -a "$log"
 }
-has wna16 && run wna16 "$PY" benchmarks/gpu_moe_bench.py --alt-kw none --shapes "$SHAPES" \
-  --tokens "$TOKENS" --json "$OUT/wna16.json"
+has wna16 && run wna16 "$PY" benchmarks/gpu_moe_bench.py --alt-kw none --gpu-time \
+  --shapes "$SHAPES" --tokens "$TOKENS" --json "$OUT/wna16.json"
 has w4a8 && run w4a8 "$PY" benchmarks/w4a8_gpu_bench.py --shapes "$SHAPES" --tokens "$TOKENS" \
   --json "$OUT/w4a8.json"
-has mxint4 && run mxint4 "$PY" benchmarks/mxint4_bench.py --no-peers --alt-kw none \
+has mxint4 && run mxint4 "$PY" benchmarks/mxint4_bench.py --no-peers --alt-kw none --gpu-time \
   --shapes "$SHAPES" --tokens "$TOKENS" --json "$OUT/mxint4.json"
 if has tokamax; then
   if ! "$PY" -c "import tokamax, qwix" 2>/dev/null; then

@@ -12,17 +12,15 @@ wall ~ enqueue > gpu says the host's dispatch sets the figure; wall ~ gpu says t
 An experiment, not a benchmark.
 """
 
-import collections
-import glob
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
 import launch_probe  # noqa: E402  (sets up the source tree, the ops and SETS)
 
 CALLS = int(os.environ.get("GRAPH_GAP_CALLS", "200"))
@@ -57,36 +55,8 @@ def enqueue_when_idle(fn, args, calls: int) -> float:
   return statistics.median(times)
 
 
-def traced(fn, args, calls: int):
-  """(start_ns, end_ns) of every GPU stream event (kernels, copies) of `calls` back-to-back
-  calls, from a profiler trace, and the host's runtime events of those calls as {name: total
-  ns} (the Python line left out)."""
-  from jax.profiler import ProfileData
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(calls):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-    data = ProfileData.from_file(path)
-  events, host = [], collections.Counter()
-  for plane in data.planes:
-    for line in plane.lines:
-      if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
-        events.extend((int(e.start_ns), int(e.start_ns + e.duration_ns)) for e in line.events)
-      elif plane.name == "/host:CPU" and line.name != "python":
-        for e in line.events:
-          host[e.name] += int(e.duration_ns)
-  return sorted(events), host
-
-
 def gpu_events(fn, args, calls: int) -> list[tuple[int, int]]:
-  return traced(fn, args, calls)[0]
-
-
-def split_calls(events: list[tuple[int, int]], per_call: int) -> list[list[tuple[int, int]]]:
-  """Events grouped by call, `per_call` each (the graph's events are the same every call)."""
-  return [events[i:i + per_call] for i in range(0, len(events) - per_call + 1, per_call)]
+  return _timing.profiled_calls(fn, args, calls)[0]
 
 
 def main():
@@ -118,7 +88,8 @@ def main():
       row["wall"].append(wall / layers)
       row["enqueue"].append(enqueue / layers)
       row["idle_enqueue"].append(enqueue_when_idle(fn, multi_args, CALLS // 4) / layers)
-      calls = split_calls(gpu_events(fn, multi_args, TRACED_CALLS), per_call_events[label])
+      calls = _timing.split_calls(gpu_events(fn, multi_args, TRACED_CALLS),
+                                  per_call_events[label])
       calls = calls[2:]  # the trace's first calls start cold
       row["kernels"].append(statistics.median(
           sum(e - s for s, e in c) for c in calls) / layers * 1e-9)
@@ -128,7 +99,7 @@ def main():
     print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
   if HOST_EVENTS:
     for label in labels:
-      _, host = traced(graph[label], multi_args, TRACED_CALLS)
+      _, host = _timing.profiled_calls(graph[label], multi_args, TRACED_CALLS)
       print(f"{label}: host runtime events, us per call (the {HOST_EVENTS} largest; nested "
             "events count in their parents too):")
       for event, ns in host.most_common(HOST_EVENTS):

@@ -109,6 +109,7 @@ def main():
                                   [(l, layers[j]) for j, (l,) in enumerate(dlogits)])
       t_alt = None if alt_kw is None else peers.time_calls(
           lambda ls: alt_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
+      gpu_us = peers.gpu_us_per_layer(args, lambda: ours_multi(x, stacked, layers), LOGIT_SETS)
       t_ragged = None if args.no_peers else peers.ragged_time(ragged, x, dlogits, w13_bf, w2_bf)
       t_torch = None
       if have_torch:
@@ -119,7 +120,7 @@ def main():
           have_torch = False
       flops = 2.0 * t * k * 3 * h * i
       row = dict(shape=name, T=t, us=t_ours * 1e6, us_single_dispatch=t_ours_1 * 1e6,
-                 alt=alt_name, alt_us=None if t_alt is None else t_alt * 1e6,
+                 gpu_us=gpu_us, alt=alt_name, alt_us=None if t_alt is None else t_alt * 1e6,
                  tbps=experts_hit * bytes_per_expert / t_ours / 1e12,
                  hbm_frac=experts_hit * bytes_per_expert / t_ours / hbm,
                  tflops=flops / t_ours / 1e12,
@@ -135,16 +136,17 @@ def main():
         f"{hbm / 1e12:.2f} TB/s; TB/s counts int4 weights + scales of the experts hit")
   print(f"us: per layer, {LOGIT_SETS} layers (own weights and logits) in one jit; us1: one jit dispatch "
         f"per call; alt us: as us, {alt_name}; ragged us: one dispatch per layer (see "
-        "gpu_moe_bench.ragged_time); TB/s, %HBM, TFLOP/s from us")
+        "gpu_moe_bench.ragged_time); TB/s, %HBM, TFLOP/s from us; GPU us: us by the GPU's "
+        "timestamps (--gpu-time)")
   print(f"{'shape':18} {'T':>5} {'us':>9} {'us1':>8} {'alt us':>8} {'TB/s':>6} {'%HBM':>5} {'TFLOP/s':>8} "
-        f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7}")
+        f"{'ragged us':>10} {'x ragged':>8} {'torch us':>9} {'x torch':>7} {'GPU us':>8}")
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   for r in rows:
     print(f"{r['shape']:18} {r['T']:5d} {r['us']:9.1f} {r['us_single_dispatch']:8.1f} "
           f"{fmt(r['alt_us'], '.1f'):>8} {r['tbps']:6.2f} "
           f"{100 * r['hbm_frac']:5.0f} {r['tflops']:8.1f} {fmt(r['ragged_us'], '.1f'):>10} "
           f"{fmt(r['x_ragged'], '.1f'):>8} {fmt(r['torch_us'], '.1f'):>9} "
-          f"{fmt(r['x_torch'], '.2f'):>7}")
+          f"{fmt(r['x_torch'], '.2f'):>7} {fmt(r['gpu_us'], '.1f'):>8}")
 
 
 if __name__ == "__main__":

@@ -309,16 +309,18 @@ def test_ort_layers_past_protobufs_limit_go_as_external_data(monkeypatch):
 
 def test_graph_gap_probe_groups_events_by_call_and_reads_host_events(monkeypatch):
   monkeypatch.syspath_prepend(str(BENCH.parent))
+  import _timing  # pylint: disable=import-outside-toplevel
   import graph_gap_probe as gg  # pylint: disable=import-outside-toplevel
   import launch_probe as lp  # pylint: disable=import-outside-toplevel
   events = [(10, 12), (13, 20), (40, 41), (42, 50), (70, 71)]
-  assert gg.split_calls(events, 2) == [events[:2], events[2:4]]  # a trailing partial call left out
+  assert _timing.split_calls(events, 2) == [events[:2], events[2:4]]  # a partial call left out
   fn = jax.jit(lambda a: jnp.sin(a @ a))
   a = jnp.ones((64, 64), jnp.float32)
   jax.block_until_ready(fn(a))
-  gpu, host = gg.traced(fn, (a,), 3)
+  gpu, host = _timing.profiled_calls(fn, (a,), 3)
   assert gpu == []  # no GPU here
   assert host and all(ns >= 0 for ns in host.values())
+  assert _timing.gpu_span_per_call(fn, (a,), 4) is None  # no GPU events: no GPU time
   wall, enqueue = gg.wall_and_enqueue(fn, (a,), 4)
   assert 0 < enqueue <= wall
   assert gg.enqueue_when_idle(fn, (a,), 3) > 0
