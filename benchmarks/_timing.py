@@ -254,11 +254,12 @@ def env_applied(setting: dict[str, str]) -> Iterator[None]:
         os.environ[k] = v
 
 
-def profiled_calls(fn: Callable[..., Any], args: Sequence[Any], calls: int
-                   ) -> tuple[list[tuple[int, int]], dict[str, int]]:
+def profiled_calls(fn: Callable[..., Any], args: Sequence[Any], calls: int,
+                   names: bool = False) -> tuple[list[tuple], dict[str, int]]:
   """`calls` back-to-back calls of fn(*args) under `jax.profiler`: (start_ns, end_ns) of every
-  GPU stream event (kernels, copies), sorted, and the host's runtime events as {name: total ns}
-  (the Python line left out). Without a GPU the first list is empty."""
+  GPU stream event (kernels, copies), sorted (with `names`, (start_ns, end_ns, name)), and the
+  host's runtime events as {name: total ns} (the Python line left out). Without a GPU the first
+  list is empty."""
   import collections
   import glob
   import tempfile
@@ -277,7 +278,8 @@ def profiled_calls(fn: Callable[..., Any], args: Sequence[Any], calls: int
   for plane in data.planes:
     for line in plane.lines:
       if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
-        events.extend((int(e.start_ns), int(e.start_ns + e.duration_ns)) for e in line.events)
+        events.extend((int(e.start_ns), int(e.start_ns + e.duration_ns)) + ((e.name,) if names
+                      else ()) for e in line.events)
       elif plane.name == "/host:CPU" and line.name != "python":
         for e in line.events:
           host[e.name] += int(e.duration_ns)

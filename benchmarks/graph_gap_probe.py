@@ -28,6 +28,8 @@ TRACED_CALLS = int(os.environ.get("GRAPH_GAP_TRACED_CALLS", "40"))
 ROUNDS = 3
 # GRAPH_GAP_HOST_EVENTS=N: also print the N host runtime events with the most time per call.
 HOST_EVENTS = int(os.environ.get("GRAPH_GAP_HOST_EVENTS", "0"))
+# GRAPH_GAP_LIST_EVENTS=1: also print one call's GPU events (name, start, duration).
+LIST_EVENTS = os.environ.get("GRAPH_GAP_LIST_EVENTS") == "1"
 
 
 def wall_and_enqueue(fn, args, calls: int) -> tuple[float, float]:
@@ -97,6 +99,13 @@ def main():
       row["idle"].append(statistics.median(
           b[0][0] - a[-1][1] for a, b in zip(calls, calls[1:])) * 1e-9)
     print(f"round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
+  if LIST_EVENTS:
+    for label in labels:
+      events, _ = _timing.profiled_calls(graph[label], multi_args, 4, names=True)
+      last = events[-per_call_events[label]:]
+      print(f"{label}: the last of 4 traced calls, its GPU events (start us from the first, us):")
+      for start, end, event in last:
+        print(f"  {(start - last[0][0]) / 1e3:8.2f} {(end - start) / 1e3:7.2f}  {event[:100]}")
   if HOST_EVENTS:
     for label in labels:
       _, host = _timing.profiled_calls(graph[label], multi_args, TRACED_CALLS)
