@@ -273,7 +273,7 @@ def profiled_calls(fn: Callable[..., Any], args: Sequence[Any], calls: int,
       jax.block_until_ready(out)
     path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
     data = ProfileData.from_file(path)
-  events: list[tuple[int, int]] = []
+  events: list[tuple] = []
   host: collections.Counter = collections.Counter()
   for plane in data.planes:
     for line in plane.lines:

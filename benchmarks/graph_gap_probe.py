@@ -58,6 +58,7 @@ def enqueue_when_idle(fn, args, calls: int) -> float:
 
 
 def gpu_events(fn, args, calls: int) -> list[tuple[int, int]]:
+  """(start_ns, end_ns) of the GPU events of `calls` back-to-back calls."""
   return _timing.profiled_calls(fn, args, calls)[0]
 
 

@@ -71,8 +71,8 @@ def _layers(one, x, per_layer):
 def make_op(op: str, name: str, t: int):
   """(traceable fn(x, per-layer weights, stacked routing), its args, per-call body, per-call args
   list). The SETS layers take their weights from WEIGHT_SETS sets in turn
-  (gpu_moe_bench.layer_weights; by default one set a layer, as in the benchmarks). Weights and inputs are arguments, never closed over: a jit would embed them as
-  constants."""
+  (gpu_moe_bench.layer_weights; by default one set a layer, as in the benchmarks). Weights and
+  inputs are arguments, never closed over: a jit would embed them as constants."""
   if op in ("wna16", "w4a8"):
     e, k, h, i = gpu_moe_bench.SHAPES[name]
     make = gpu_moe_bench.random_weights if op == "wna16" else w4a8_gpu_bench.random_w4a8_weights
