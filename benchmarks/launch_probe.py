@@ -18,7 +18,9 @@ call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a t
 it runs the handlers, i.e. captures or launches them anew, on every call.
 LAUNCH_PROBE_LAYERS=N sets the layers per graph call (8), LAUNCH_PROBE_WEIGHT_SETS=M the weight
 sets they take in turn (N), LAUNCH_PROBE_CHAIN=1 chains the layers (each takes the previous one's
-output; the call returns the last), LAUNCH_PROBE_GRAPH_ONLY=1 skips the dispatch timing.
+output; the call returns the last), LAUNCH_PROBE_ROUTING_ARGS=1 passes each layer's routing as
+arguments of its own (not slices of stacked arrays), LAUNCH_PROBE_GRAPH_ONLY=1 skips the dispatch
+timing.
 """
 
 import contextlib
@@ -56,6 +58,7 @@ WEIGHT_SETS = int(os.environ.get("LAUNCH_PROBE_WEIGHT_SETS", SETS))
 # last one, as a model's layers do, instead of every layer taking x and the call returning all
 # their outputs.
 CHAIN = os.environ.get("LAUNCH_PROBE_CHAIN") == "1"
+ROUTING_ARGS = os.environ.get("LAUNCH_PROBE_ROUTING_ARGS") == "1"  # see make_op
 
 
 def _layers(one, x, per_layer):
@@ -79,8 +82,13 @@ def make_op(op: str, name: str, t: int):
     layers = gpu_moe_bench.layer_weights(lambda key: make(key, e, h, i), WEIGHT_SETS)
     x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
     sets = gpu_moe_bench.routing_sets(t, t, e, k)
-    ids = jnp.stack([jnp.asarray(s[0]) for s in sets])
-    w = jnp.stack([jnp.asarray(s[1]) for s in sets])
+    # Stacked, a layer's ids and weights are slices of one array; XLA copies slices that do not
+    # start on an aligned address (at T=1, 32 bytes a layer: two copies a layer in the graph).
+    # LAUNCH_PROBE_ROUTING_ARGS=1 passes them as one argument a layer instead, as a model's
+    # router writes its own (indexing a list adds no op).
+    routing = list if ROUTING_ARGS else jnp.stack
+    ids = routing([jnp.asarray(s[0]) for s in sets])
+    w = routing([jnp.asarray(s[1]) for s in sets])
     moe = wna16_gpu.fused_marlin_moe if op == "wna16" else w4a8_gpu.w4a8_gpu_moe
     one = lambda x, weights, w, ids: moe(x, weights, w, ids)
     multi = lambda x, wts, w, ids: _layers(one, x, lambda j: (wts[j % WEIGHT_SETS], w[j], ids[j]))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_moeq import _ffi
@@ -331,3 +332,24 @@ def test_graph_gap_probe_groups_events_by_call_and_reads_host_events(monkeypatch
   assert lp._layers(layer, 1, lambda j: (j,)) == [10, 11, 12]
   monkeypatch.setattr(lp, "CHAIN", True)
   assert lp._layers(layer, 1, lambda j: (j,)) == 1012
+
+
+def test_launch_probe_routing_stacked_or_one_argument_a_layer(monkeypatch):
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import gpu_moe_bench as gb  # pylint: disable=import-outside-toplevel
+  import launch_probe as lp  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(gb.SHAPES, "tiny", (8, 2, 256, 128))
+  monkeypatch.setattr(gb, "ROUTING_SETS", 3)
+  monkeypatch.setattr(lp, "SETS", 3)
+  monkeypatch.setattr(lp, "WEIGHT_SETS", 2)
+  for routing_args in (False, True):
+    monkeypatch.setattr(lp, "ROUTING_ARGS", routing_args)
+    _, (x, layers, w, ids), _, per_call = lp.make_op("wna16", "tiny", 1)
+    assert x.shape == (1, 256) and len(layers) == 2 and len(per_call) == 3
+    assert per_call[2][1] is layers[0]  # layer 2 takes weight set 2 % 2
+    if routing_args:
+      assert isinstance(ids, list) and [a.shape for a in ids] == [(1, 2)] * 3
+    else:
+      assert ids.shape == (3, 1, 2) and w.shape == (3, 1, 2)
+    np_ids = [np.asarray(ids[j]) for j in range(3)]
+    assert all(((a >= 0) & (a < 8)).all() for a in np_ids)
