@@ -82,8 +82,8 @@ def make_op(op: str, name: str, t: int):
     layers = gpu_moe_bench.layer_weights(lambda key: make(key, e, h, i), WEIGHT_SETS)
     x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
     sets = gpu_moe_bench.routing_sets(t, t, e, k)
-    # Stacked, a layer's ids and weights are slices of one array; XLA copies slices that do not
-    # start on an aligned address (at T=1, 32 bytes a layer: two copies a layer in the graph).
+    # Stacked, a layer's ids and weights are slices of one array, and at T=1 (32 bytes a layer)
+    # the graph copies them: two copies a layer, ~2 us (docs/performance.md).
     # LAUNCH_PROBE_ROUTING_ARGS=1 passes them as one argument a layer instead, as a model's
     # router writes its own (indexing a list adds no op).
     routing = list if ROUTING_ARGS else jnp.stack
