@@ -104,15 +104,19 @@ def peer_argument_parser() -> argparse.ArgumentParser:
   ap.add_argument("--shapes", default=",".join(SHAPES))
   ap.add_argument("--tokens", default=",".join(str(t) for t in TOKENS))
   ap.add_argument("--json", default=None)
+  ap.add_argument("--gpu-time", action="store_true",
+                  help="also time each op by the GPU's own timestamps (label_gpu_us)")
   return ap
 
 
-def peer_rows(shapes, tokens, peers, hbm=None) -> list[dict]:
+def peer_rows(shapes, tokens, peers, hbm=None, gpu_time=False) -> list[dict]:
   """Ops timed side by side in one process and one harness. peers: (label, make(key, e, h, i) ->
   one layer's weights, layer(x, weights, ids, w) -> y). Per (shape, T): each op's median seconds
   per layer over ROUTING_SETS layers (own weights and routing) in one jit, as `label_us`,
   `label_tflops` (2·T·K·3·H·I) and, given the copy rate hbm, `label_hbm_frac` (int4 bytes of the
-  experts hit / time / hbm). An op that raises is printed and its time left None."""
+  experts hit / time / hbm); with gpu_time, `label_gpu_us`, the time per layer by the GPU's
+  timestamps (_timing.gpu_span_per_call; None without GPU events). An op that raises is printed
+  and its time left None."""
   rows = []
   for name in shapes:
     e, k, h, i = SHAPES[name]
@@ -138,6 +142,10 @@ def peer_rows(shapes, tokens, peers, hbm=None) -> list[dict]:
           row[f"{label}_tflops"] = 2.0 * t * k * 3 * h * i / sec / 1e12
           if hbm:
             row[f"{label}_hbm_frac"] = hit * bytes_per_expert / sec / hbm
+          if gpu_time:
+            span = _timing.gpu_span_per_call(
+                lambda multi=multi, layers=layers: multi(x, layers, ids_stack, w_stack), ())
+            row[f"{label}_gpu_us"] = None if span is None else span / ROUTING_SETS * 1e6
         except Exception as err:  # pylint: disable=broad-except
           print(f"{label} failed at {name} T={t}: {type(err).__name__}: {str(err)[:400]}",
                 flush=True)

@@ -2,8 +2,9 @@
 # The GPU targets' table in one or two runs on one GPU machine: WNA16 beside XLA's bf16
 # ragged_dot and torch's grouped GEMM, W4A8 beside WNA16, MxInt4, and tokamax's int4 ragged_dot
 # beside WNA16, at T in $TOKENS on the three benchmark shapes. JSON per part in $OUT (the input
-# of benchmarks/plot_gpu_roofline.py), the log in $OUT/table.log. WNA16 and MxInt4 rows carry
-# gpu_us, the in-graph time by the GPU's timestamps, beside the wall time (--gpu-time).
+# of benchmarks/plot_gpu_roofline.py), the log in $OUT/table.log. Every part's rows also carry
+# the in-graph time by the GPU's timestamps beside the wall time (--gpu-time: gpu_us, or
+# <op>_gpu_us in the side-by-side parts).
 #   PARTS="wna16 w4a8 mxint4" OUT=... bash benchmarks/gpu_table.sh
 #   PARTS=tokamax TOKAMAX_SHAPES=Qwen3-30B-A3B WHEELS=.carry/tkw OUT=... bash benchmarks/gpu_table.sh
 # Expects the CUDA library built (gpu_suite.sh STAGES=build) or installed; tokamax and its
@@ -40,8 +41,8 @@ run() {  # label, command...
 }
 has wna16 && run wna16 "$PY" benchmarks/gpu_moe_bench.py --alt-kw none --gpu-time \
   --shapes "$SHAPES" --tokens "$TOKENS" --json "$OUT/wna16.json"
-has w4a8 && run w4a8 "$PY" benchmarks/w4a8_gpu_bench.py --shapes "$SHAPES" --tokens "$TOKENS" \
-  --json "$OUT/w4a8.json"
+has w4a8 && run w4a8 "$PY" benchmarks/w4a8_gpu_bench.py --gpu-time --shapes "$SHAPES" \
+  --tokens "$TOKENS" --json "$OUT/w4a8.json"
 has mxint4 && run mxint4 "$PY" benchmarks/mxint4_bench.py --no-peers --alt-kw none --gpu-time \
   --shapes "$SHAPES" --tokens "$TOKENS" --json "$OUT/mxint4.json"
 if has tokamax; then
@@ -51,7 +52,7 @@ if has tokamax; then
   fi
   IFS=, read -ra tk_shapes <<<"${TOKAMAX_SHAPES:-$SHAPES}"
   for shape in "${tk_shapes[@]}"; do
-    run "tokamax $shape" "$PY" benchmarks/tokamax_bench.py --shapes "$shape" --tokens "$TOKENS" \
-      --json "$OUT/tokamax_$shape.json"
+    run "tokamax $shape" "$PY" benchmarks/tokamax_bench.py --gpu-time --shapes "$shape" \
+      --tokens "$TOKENS" --json "$OUT/tokamax_$shape.json"
   done
 fi

@@ -110,7 +110,8 @@ def main():
       [("tokamax", tokamax_weights,
         lambda x, wts, ids, w: tokamax_layer(x, ids, w, *wts)),
        ("ours", gb.random_weights,
-        lambda x, wts, ids, w: wna16_gpu.fused_marlin_moe(x, wts, w, ids))], hbm=hbm)
+        lambda x, wts, ids, w: wna16_gpu.fused_marlin_moe(x, wts, w, ids))], hbm=hbm,
+      gpu_time=args.gpu_time)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=info["device"], machine=info, hbm=hbm, rows=rows), f, indent=1)

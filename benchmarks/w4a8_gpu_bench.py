@@ -61,7 +61,7 @@ def main():
         lambda x, wts, ids, w: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids))] +
       [(f"w4a8_bm{bm}", random_w4a8_weights,
         lambda x, wts, ids, w, bm=bm: w4a8_gpu.w4a8_gpu_moe(x, wts, w, ids, block_m=bm))
-       for bm in block_ms])
+       for bm in block_ms], gpu_time=args.gpu_time)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=info["device"], machine=info, rows=rows), f, indent=1)

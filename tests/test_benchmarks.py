@@ -113,10 +113,12 @@ def test_gpu_peer_harness_times_each_op_and_reports_a_refusal(monkeypatch, capsy
   def refuse(x, w, ids, weights):
     raise NotImplementedError("no kernel for this shape")
 
-  rows = gb.peer_rows(["tiny"], [1, 5], [("a", make, layer), ("b", make, refuse)], hbm=1e11)
+  rows = gb.peer_rows(["tiny"], [1, 5], [("a", make, layer), ("b", make, refuse)], hbm=1e11,
+                      gpu_time=True)
   assert [(r["shape"], r["T"]) for r in rows] == [("tiny", 1), ("tiny", 5)]
   for r in rows:
     assert r["a_us"] > 0 and r["a_tflops"] > 0 and 0 < r["a_hbm_frac"]
+    assert r["a_gpu_us"] is None  # no GPU events on the CPU
     assert r["b_us"] is None and 1 <= r["experts_hit"] <= 4
   out = capsys.readouterr().out
   assert out.count("b failed at tiny") == 2 and "no kernel for this shape" in out
