@@ -293,6 +293,16 @@ def split_calls(events: Sequence[tuple[int, int]], per_call: int
   return [events[i:i + per_call] for i in range(0, len(events) - per_call + 1, per_call)]
 
 
+def calls_in_trace(events: Sequence[tuple[int, int]], calls: int
+                   ) -> list[Sequence[tuple[int, int]]] | None:
+  """The GPU events of `calls` back-to-back traced calls grouped by call, the first two left out
+  (the trace starts them cold); None when there are none, or when they do not divide into the
+  calls evenly."""
+  if not events or len(events) % calls:
+    return None
+  return split_calls(events, len(events) // calls)[2:]
+
+
 def gpu_span_per_call(fn: Callable[..., Any], args: Sequence[Any], calls: int = 24
                       ) -> float | None:
   """Median seconds from a call's first GPU event start to its last event end, over `calls`
@@ -302,8 +312,7 @@ def gpu_span_per_call(fn: Callable[..., Any], args: Sequence[Any], calls: int = 
   the events do not divide into the calls evenly."""
   import jax
   jax.block_until_ready(fn(*args))
-  events, _ = profiled_calls(fn, args, calls)
-  if not events or len(events) % calls:
+  grouped = calls_in_trace(profiled_calls(fn, args, calls)[0], calls)
+  if not grouped:
     return None
-  spans = [c[-1][1] - c[0][0] for c in split_calls(events, len(events) // calls)[2:]]
-  return statistics.median(spans) * 1e-9
+  return statistics.median(c[-1][1] - c[0][0] for c in grouped) * 1e-9

@@ -143,9 +143,9 @@ def peer_rows(shapes, tokens, peers, hbm=None, gpu_time=False) -> list[dict]:
           if hbm:
             row[f"{label}_hbm_frac"] = hit * bytes_per_expert / sec / hbm
           if gpu_time:
-            span = _timing.gpu_span_per_call(
-                lambda multi=multi, layers=layers: multi(x, layers, ids_stack, w_stack), ())
-            row[f"{label}_gpu_us"] = None if span is None else span / ROUTING_SETS * 1e6
+            row[f"{label}_gpu_us"] = gpu_us_per_layer(
+                True, lambda multi=multi, layers=layers: multi(x, layers, ids_stack, w_stack),
+                ROUTING_SETS)
         except Exception as err:  # pylint: disable=broad-except
           print(f"{label} failed at {name} T={t}: {type(err).__name__}: {str(err)[:400]}",
                 flush=True)
@@ -287,10 +287,10 @@ def alternative(args, kw: dict) -> tuple[dict | None, str | None]:
   return kw, ", ".join(f"{k}={v!r}" for k, v in kw.items())
 
 
-def gpu_us_per_layer(args, call, layers: int) -> float | None:
-  """With --gpu-time, the GPU's time per layer of call() (our graph of `layers` layers), in us,
-  from a profiler trace (_timing.gpu_span_per_call); else None."""
-  if not args.gpu_time:
+def gpu_us_per_layer(enabled: bool, call, layers: int) -> float | None:
+  """If enabled (--gpu-time), the GPU's time per layer of call() (a graph of `layers` layers), in
+  us, from a profiler trace (_timing.gpu_span_per_call); else None."""
+  if not enabled:
     return None
   span = _timing.gpu_span_per_call(call, ())
   return None if span is None else span / layers * 1e6
@@ -357,7 +357,7 @@ def main():
                             [(ids, w, layers[j]) for j, (ids, w) in enumerate(dsets)])
       t_alt = None if alt_kw is None else time_calls(
           lambda a, b: alt_multi(x, layers, a, b), [(ids_stack, w_stack)]) / ROUTING_SETS
-      gpu_us = gpu_us_per_layer(args, lambda: ours_multi(x, layers, ids_stack, w_stack),
+      gpu_us = gpu_us_per_layer(args.gpu_time, lambda: ours_multi(x, layers, ids_stack, w_stack),
                                 ROUTING_SETS)
       t_ragged = ragged_time(ragged, x, dsets, w13_bf, w2_bf)
       t_torch = None

@@ -72,13 +72,7 @@ def main():
     with launch_probe.forced(launch_probe.parse_variant(label)):
       jax.block_until_ready(graph[label](*multi_args))
   layers = launch_probe.SETS
-  per_call_events = {}
-  for label in labels:  # the graph's events per call, from a traced run
-    n = len(gpu_events(graph[label], multi_args, TRACED_CALLS))
-    if n % TRACED_CALLS:
-      raise SystemExit(f"{label}: {n} GPU events over {TRACED_CALLS} calls, not a whole number "
-                       "a call")
-    per_call_events[label] = n // TRACED_CALLS
+  per_call_events = {}  # the graph's GPU events a call, from the traced runs
   rows = {label: {"wall": [], "enqueue": [], "idle_enqueue": [], "kernels": [], "span": [],
                   "idle": []}
           for label in labels}
@@ -91,9 +85,12 @@ def main():
       row["wall"].append(wall / layers)
       row["enqueue"].append(enqueue / layers)
       row["idle_enqueue"].append(enqueue_when_idle(fn, multi_args, CALLS // 4) / layers)
-      calls = _timing.split_calls(gpu_events(fn, multi_args, TRACED_CALLS),
-                                  per_call_events[label])
-      calls = calls[2:]  # the trace's first calls start cold
+      events = gpu_events(fn, multi_args, TRACED_CALLS)
+      calls = _timing.calls_in_trace(events, TRACED_CALLS)
+      if calls is None:
+        raise SystemExit(f"{label}: {len(events)} GPU events over {TRACED_CALLS} calls, not a "
+                         "whole number a call")
+      per_call_events[label] = len(calls[0])
       row["kernels"].append(statistics.median(
           sum(e - s for s, e in c) for c in calls) / layers * 1e-9)
       row["span"].append(statistics.median(c[-1][1] - c[0][0] for c in calls) / layers * 1e-9)
@@ -103,7 +100,7 @@ def main():
   if LIST_EVENTS:
     for label in labels:
       events, _ = _timing.profiled_calls(graph[label], multi_args, 4, names=True)
-      last = events[-per_call_events[label]:]
+      last = events[-(len(events) // 4):]
       print(f"{label}: the last of 4 traced calls, its GPU events (start us from the first, us):")
       for start, end, event in last:
         print(f"  {(start - last[0][0]) / 1e3:8.2f} {(end - start) / 1e3:7.2f}  {event[:100]}")

@@ -12,7 +12,8 @@ choice does not take it). "auto" at one token is the streaming kernels where the
 The ops: wna16, mxint4 and w4a8 (whose launch has none of these choices: "auto" only).
 
 Each variant is timed two ways: "graph", 8 calls (rotating routing) in one jitted executable, per
-call (the GPU time, as gpu_moe_bench's "us"); "dispatch", one jitted call at a time, back to back
+call (wall time, as gpu_moe_bench's "us"; at small-expert T=1 the host's dispatch sets it, and
+graph_gap_probe.py reads the GPU's own time); "dispatch", one jitted call at a time, back to back
 (host dispatch included). Beside each, the library's handler runs per executable call
 (`_ffi.cuda_handler_runs`): 0 where XLA replays its captured command buffer, one per layer where
 it runs the handlers, i.e. captures or launches them anew, on every call.

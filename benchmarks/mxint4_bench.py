@@ -109,7 +109,8 @@ def main():
                                   [(l, layers[j]) for j, (l,) in enumerate(dlogits)])
       t_alt = None if alt_kw is None else peers.time_calls(
           lambda ls: alt_multi(x, ls, layers), [(stacked,)]) / LOGIT_SETS
-      gpu_us = peers.gpu_us_per_layer(args, lambda: ours_multi(x, stacked, layers), LOGIT_SETS)
+      gpu_us = peers.gpu_us_per_layer(args.gpu_time, lambda: ours_multi(x, stacked, layers),
+                                      LOGIT_SETS)
       t_ragged = None if args.no_peers else peers.ragged_time(ragged, x, dlogits, w13_bf, w2_bf)
       t_torch = None
       if have_torch:

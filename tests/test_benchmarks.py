@@ -317,6 +317,9 @@ def test_graph_gap_probe_groups_events_by_call_and_reads_host_events(monkeypatch
   import launch_probe as lp  # pylint: disable=import-outside-toplevel
   events = [(10, 12), (13, 20), (40, 41), (42, 50), (70, 71)]
   assert _timing.split_calls(events, 2) == [events[:2], events[2:4]]  # a partial call left out
+  assert _timing.calls_in_trace(events, 2) is None  # 5 events do not divide into 2 calls
+  assert _timing.calls_in_trace(events[:4] * 2, 4) == [events[:2], events[2:4]]  # two left out
+  assert _timing.calls_in_trace([], 4) is None
   fn = jax.jit(lambda a: jnp.sin(a @ a))
   a = jnp.ones((64, 64), jnp.float32)
   jax.block_until_ready(fn(a))
