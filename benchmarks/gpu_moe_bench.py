@@ -130,21 +130,23 @@ def peer_rows(shapes, tokens, peers, hbm=None, gpu_time=False) -> list[dict]:
     for t in tokens:
       sets = routing_sets(t, t, e, k)
       x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
-      ids_stack = jnp.stack([jnp.asarray(ids) for ids, _ in sets])
-      w_stack = jnp.stack([jnp.asarray(w) for _, w in sets])
+      # One argument a layer, as a model's router writes its own: slices of one stacked array
+      # would add two copies a layer to the graph (~2 us at T=1, docs/performance.md).
+      ids_layers = [jnp.asarray(ids) for ids, _ in sets]
+      w_layers = [jnp.asarray(w) for _, w in sets]
       hit = mean_experts_hit(ids for ids, _ in sets)
       row = dict(shape=name, T=t, experts_hit=hit)
       for label, multi, layers in timed:
         try:
           sec = time_calls(lambda a, b, multi=multi, layers=layers: multi(x, layers, a, b),
-                           [(ids_stack, w_stack)]) / ROUTING_SETS
+                           [(ids_layers, w_layers)]) / ROUTING_SETS
           row[f"{label}_us"] = sec * 1e6
           row[f"{label}_tflops"] = 2.0 * t * k * 3 * h * i / sec / 1e12
           if hbm:
             row[f"{label}_hbm_frac"] = hit * bytes_per_expert / sec / hbm
           if gpu_time:
             row[f"{label}_gpu_us"] = gpu_us_per_layer(
-                True, lambda multi=multi, layers=layers: multi(x, layers, ids_stack, w_stack),
+                True, lambda multi=multi, layers=layers: multi(x, layers, ids_layers, w_layers),
                 ROUTING_SETS)
         except Exception as err:  # pylint: disable=broad-except
           print(f"{label} failed at {name} T={t}: {type(err).__name__}: {str(err)[:400]}",
@@ -349,15 +351,16 @@ def main():
       experts_hit = mean_experts_hit(ids for ids, _ in sets)
       # In-graph time: all routing sets' layers in one executable (as inside a model, where
       # XLA launches back to back); the single-dispatch time includes host overhead.
-      ids_stack = jnp.stack([d[0] for d in dsets])
-      w_stack = jnp.stack([d[1] for d in dsets])
-      t_ours = time_calls(lambda a, b: ours_multi(x, layers, a, b), [(ids_stack, w_stack)]
+      # Each layer's routing is its own argument (a stacked array's slices are copies: above).
+      ids_layers = [d[0] for d in dsets]
+      w_layers = [d[1] for d in dsets]
+      t_ours = time_calls(lambda a, b: ours_multi(x, layers, a, b), [(ids_layers, w_layers)]
                           ) / ROUTING_SETS
       t_ours_1 = time_calls(lambda ids, w, wts: ours(x, wts, w, ids),
                             [(ids, w, layers[j]) for j, (ids, w) in enumerate(dsets)])
       t_alt = None if alt_kw is None else time_calls(
-          lambda a, b: alt_multi(x, layers, a, b), [(ids_stack, w_stack)]) / ROUTING_SETS
-      gpu_us = gpu_us_per_layer(args.gpu_time, lambda: ours_multi(x, layers, ids_stack, w_stack),
+          lambda a, b: alt_multi(x, layers, a, b), [(ids_layers, w_layers)]) / ROUTING_SETS
+      gpu_us = gpu_us_per_layer(args.gpu_time, lambda: ours_multi(x, layers, ids_layers, w_layers),
                                 ROUTING_SETS)
       t_ragged = ragged_time(ragged, x, dsets, w13_bf, w2_bf)
       t_torch = None

@@ -19,9 +19,9 @@ graph_gap_probe.py reads the GPU's own time); "dispatch", one jitted call at a t
 it runs the handlers, i.e. captures or launches them anew, on every call.
 LAUNCH_PROBE_LAYERS=N sets the layers per graph call (8), LAUNCH_PROBE_WEIGHT_SETS=M the weight
 sets they take in turn (N), LAUNCH_PROBE_CHAIN=1 chains the layers (each takes the previous one's
-output; the call returns the last), LAUNCH_PROBE_ROUTING_ARGS=1 passes each layer's routing as
-arguments of its own (not slices of stacked arrays), LAUNCH_PROBE_GRAPH_ONLY=1 skips the dispatch
-timing.
+output; the call returns the last), LAUNCH_PROBE_ROUTING_ARGS=0 passes the layers' routing as
+slices of stacked arrays (by default each layer's is an argument of its own, as in the benchmarks),
+LAUNCH_PROBE_GRAPH_ONLY=1 skips the dispatch timing.
 """
 
 import contextlib
@@ -59,7 +59,7 @@ WEIGHT_SETS = int(os.environ.get("LAUNCH_PROBE_WEIGHT_SETS", SETS))
 # last one, as a model's layers do, instead of every layer taking x and the call returning all
 # their outputs.
 CHAIN = os.environ.get("LAUNCH_PROBE_CHAIN") == "1"
-ROUTING_ARGS = os.environ.get("LAUNCH_PROBE_ROUTING_ARGS") == "1"  # see make_op
+ROUTING_ARGS = os.environ.get("LAUNCH_PROBE_ROUTING_ARGS", "1") != "0"  # see make_op
 
 
 def _layers(one, x, per_layer):
@@ -73,7 +73,7 @@ def _layers(one, x, per_layer):
 
 
 def make_op(op: str, name: str, t: int):
-  """(traceable fn(x, per-layer weights, stacked routing), its args, per-call body, per-call args
+  """(traceable fn(x, per-layer weights, routing), its args, per-call body, per-call args
   list). The SETS layers take their weights from WEIGHT_SETS sets in turn
   (gpu_moe_bench.layer_weights; by default one set a layer, as in the benchmarks). Weights and
   inputs are arguments, never closed over: a jit would embed them as constants."""
@@ -83,10 +83,9 @@ def make_op(op: str, name: str, t: int):
     layers = gpu_moe_bench.layer_weights(lambda key: make(key, e, h, i), WEIGHT_SETS)
     x = jax.random.normal(jax.random.PRNGKey(1), (t, h), jnp.float32).astype(jnp.bfloat16)
     sets = gpu_moe_bench.routing_sets(t, t, e, k)
-    # Stacked, a layer's ids and weights are slices of one array, and at T=1 (32 bytes a layer)
-    # the graph copies them: two copies a layer, ~2 us (docs/performance.md).
-    # LAUNCH_PROBE_ROUTING_ARGS=1 passes them as one argument a layer instead, as a model's
-    # router writes its own (indexing a list adds no op).
+    # One argument a layer, as a model's router writes its own (indexing a list adds no op).
+    # Stacked (LAUNCH_PROBE_ROUTING_ARGS=0), a layer's ids and weights are slices of one array,
+    # and at T=1 (32 bytes a layer) the graph copies them: two copies a layer, ~2 us.
     routing = list if ROUTING_ARGS else jnp.stack
     ids = routing([jnp.asarray(s[0]) for s in sets])
     w = routing([jnp.asarray(s[1]) for s in sets])

@@ -11,6 +11,10 @@
 // only the op's inputs and writes what no earlier kernel of the op touches) may call it last
 // instead, in every thread and on every path, so that its completion still implies the earlier
 // kernels' (the next kernel waits only for it): it then runs beside the kernel before it.
+// One exception: what the kernel two before wrote may be read before the wait where every CTA of
+// the kernel between calls WaitForPriorGrids before AllowDependentGrids (so this kernel cannot
+// start until those writes are complete), through the L2 (ld.cg): the one-token GEMM2 reads the
+// routing kernel's pairs so.
 // AllowDependentGrids right after the wait: the next kernel's CTAs then take SM slots as this
 // kernel's CTAs retire. (An L2 prefetch of GEMM2's
 // first weight chunks before its wait was tried and gained nothing measurable: not kept.)

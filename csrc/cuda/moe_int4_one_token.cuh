@@ -15,9 +15,9 @@
 //          finishes out[16v .. 16v + 15] as FinalizeTokenColumn does (bias, router weight and a
 //          rounding per pair, f32 sum in slot order, one rounding).
 // Results are deterministic: no atomics. The dequantization is MmaChunk's, at the reference's
-// rounding point. Where the pairs' experts are an op input (WNA16), GEMM2 reads them and issues
-// its first weight loads before waiting for GEMM1 (both are the op's constant inputs,
-// dependent_launch.cuh), so they overlap GEMM1's last CTAs.
+// rounding point. GEMM2 reads the pairs' experts and issues its first weight loads before waiting
+// for GEMM1, so they overlap GEMM1's last CTAs: the experts are an op input (WNA16) or were
+// written by the routing kernel before GEMM1, which every GEMM1 CTA waits for (MxInt4).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -64,9 +64,9 @@ inline void SetOneTokenGroups(OneTokenLayer& a, int group1, int group2) {
 struct OneTokenArgs : OneTokenLayer {
   int slices2 = 1;                      // GEMM2 warps per pair (LaunchOneTokenLayer sets)
   // The pairs' experts come from an earlier kernel of the op (MxInt4's routing): GEMM1 follows it
-  // with the dependent launch, and GEMM2 reads them only after its wait. Else (WNA16's topk_ids,
-  // an op input) GEMM1 is the op's first launch and GEMM2 reads them, and issues its first weight
-  // loads, before its wait.
+  // with the dependent launch and reads them after its wait. Else (WNA16's topk_ids, an op input)
+  // GEMM1 is the op's first launch. GEMM2 reads them, and issues its first weight loads, before
+  // its wait in both cases (OneTokenGemm2Kernel says why that is safe).
   bool experts_from_prior_kernel = false;
 };
 
@@ -252,18 +252,20 @@ __global__ void __launch_bounds__(kOneTokenMaxWarps2 * 32, 1) OneTokenGemm2Kerne
   const int v = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pair = warp / p.slices2, slice = warp % p.slices2;
-  if (p.experts_from_prior_kernel) {
-    WaitForPriorGrids();
-    AllowDependentGrids();
-  }
-  // Otherwise before the wait: the pairs' experts and weights, and the expert weights, are the
-  // op's constant inputs. The finalize reads them from shared memory (published by the barrier
-  // in `ready`): a loop of global loads there would be K dependent memory latencies.
+  // Before the wait: the pairs' experts and weights, and then the first weight loads. They are
+  // the op's constant inputs, or (experts_from_prior_kernel) the routing kernel's outputs: that
+  // kernel is the one before GEMM1, and every GEMM1 CTA waits for it before it lets this kernel
+  // start, so they are in global memory by now; read through the L2 (ld.cg), never a stale L1
+  // line. The finalize reads them from shared memory (published by the barrier in `ready`): a
+  // loop of global loads there would be K dependent memory latencies.
+  const bool routed = p.experts_from_prior_kernel;
+  auto pair_int = [&](const int32_t* at) { return routed ? __ldcg(at) : __ldg(at); };
   if (threadIdx.x < p.top_k) {
-    pair_expert[threadIdx.x] = __ldg(p.pair_experts + threadIdx.x);
-    pair_weight[threadIdx.x] = __ldg(p.topk_weights + threadIdx.x);
+    pair_expert[threadIdx.x] = pair_int(p.pair_experts + threadIdx.x);
+    pair_weight[threadIdx.x] =
+        routed ? __ldcg(p.topk_weights + threadIdx.x) : __ldg(p.topk_weights + threadIdx.x);
   }
-  const int expert = __ldg(p.pair_experts + pair);
+  const int expert = pair_int(p.pair_experts + pair);
   const bool in = expert >= 0 && expert < p.experts;
   const int chunks = p.inter / 64, n_sub = p.hidden / 16;
   const int per_slice = (chunks + p.slices2 - 1) / p.slices2;
@@ -281,10 +283,8 @@ __global__ void __launch_bounds__(kOneTokenMaxWarps2 * 32, 1) OneTokenGemm2Kerne
   OneTokenStream<T, kCode, kZeros, 1>(
       wp, sp, zp, n_sub, sub, p.group2_div, xs, kc_begin, kc_end, lane,
       [&] {
-        if (!p.experts_from_prior_kernel) {
-          WaitForPriorGrids();  // GEMM1's act rows
-          AllowDependentGrids();
-        }
+        WaitForPriorGrids();  // GEMM1's act rows
+        AllowDependentGrids();
         // Every row's 16-byte pieces at once (a row at a time took K dependent L2 latencies
         // while the other warps waited at the barrier). Rows of pairs without an expert were
         // never written: not read.
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kOneTokenMaxWarps2 * 32, 1) OneTokenGemm2Kerne
         const uint4* src = static_cast<const uint4*>(p.act);
         uint4* dst = reinterpret_cast<uint4*>(acts);
         for (int i = threadIdx.x; i < p.top_k * row_vecs; i += blockDim.x) {
-          const int eq = __ldg(p.pair_experts + i / row_vecs);
+          const int eq = pair_int(p.pair_experts + i / row_vecs);
           if (eq >= 0 && eq < p.experts) dst[i] = __ldg(src + i);
         }
         __syncthreads();
