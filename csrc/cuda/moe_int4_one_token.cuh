@@ -283,17 +283,30 @@ __global__ void __launch_bounds__(kOneTokenMaxWarps2 * 32, 1) OneTokenGemm2Kerne
   OneTokenStream<T, kCode, kZeros, 1>(
       wp, sp, zp, n_sub, sub, p.group2_div, xs, kc_begin, kc_end, lane,
       [&] {
+        // pair_expert published before the wait (the warps would only wait there anyway), so
+        // that after it the copy needs no global read but the act rows themselves.
+        __syncthreads();
         WaitForPriorGrids();  // GEMM1's act rows
         AllowDependentGrids();
-        // Every row's 16-byte pieces at once (a row at a time took K dependent L2 latencies
-        // while the other warps waited at the barrier). Rows of pairs without an expert were
-        // never written: not read.
+        // Every row's 16-byte pieces at once, two a thread before either is stored (a row at a
+        // time took K dependent L2 latencies while the other warps waited at the barrier).
+        // Rows of pairs without an expert were never written: not read.
         const int row_vecs = p.inter * static_cast<int>(sizeof(T)) / 16;
+        const int vecs = p.top_k * row_vecs, stride = blockDim.x;
         const uint4* src = static_cast<const uint4*>(p.act);
         uint4* dst = reinterpret_cast<uint4*>(acts);
-        for (int i = threadIdx.x; i < p.top_k * row_vecs; i += blockDim.x) {
-          const int eq = pair_int(p.pair_experts + i / row_vecs);
-          if (eq >= 0 && eq < p.experts) dst[i] = __ldg(src + i);
+        auto row_in = [&](int i) {
+          if (i >= vecs) return false;
+          const int eq = pair_expert[i / row_vecs];
+          return eq >= 0 && eq < p.experts;
+        };
+        for (int i = threadIdx.x; i < vecs; i += 2 * stride) {
+          const bool in0 = row_in(i), in1 = row_in(i + stride);
+          uint4 v0, v1;
+          if (in0) v0 = __ldg(src + i);
+          if (in1) v1 = __ldg(src + i + stride);
+          if (in0) dst[i] = v0;
+          if (in1) dst[i + stride] = v1;
         }
         __syncthreads();
       },
