@@ -159,14 +159,17 @@ def peer_rows(shapes, tokens, peers, hbm=None, gpu_time=False) -> list[dict]:
 
 
 def print_peer_table(rows, labels) -> None:
-  """One line per (shape, T): each op's us and TFLOP/s, then the first op's time over the
-  second's."""
+  """One line per (shape, T): each op's us and TFLOP/s, each op's GPU us where a row has it
+  (--gpu-time), then the first op's time over the second's."""
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
+  gpu = [l for l in labels if any(r.get(l + "_gpu_us") is not None for r in rows)]
   head = "".join(f" {l + ' us':>11} {'TFLOP/s':>8}" for l in labels)
+  head += "".join(f" {l + ' GPU us':>14}" for l in gpu)
   print(f"{'shape':18} {'T':>5}{head} {labels[0] + '/' + labels[1]:>14}")
   for r in rows:
     cells = "".join(f" {fmt(r.get(l + '_us'), '.1f'):>11} {fmt(r.get(l + '_tflops'), '.1f'):>8}"
                     for l in labels)
+    cells += "".join(f" {fmt(r.get(l + '_gpu_us'), '.1f'):>14}" for l in gpu)
     a, b = r.get(f"{labels[0]}_us"), r.get(f"{labels[1]}_us")
     print(f"{r['shape']:18} {r['T']:5d}{cells} {fmt(a and b and a / b, '.2f'):>14}")
 

@@ -126,6 +126,11 @@ def test_gpu_peer_harness_times_each_op_and_reports_a_refusal(monkeypatch, capsy
   table = capsys.readouterr().out.splitlines()
   assert table[0].split()[-1] == "a/b" and table[1].split()[-1] == "n/a"
   assert table[-1].split()[-1] == "0.50"
+  assert "GPU us" not in table[0]  # no GPU times: no such column
+  gb.print_peer_table([dict(rows[0], a_gpu_us=3.25)], ("a", "b"))
+  table = capsys.readouterr().out.splitlines()
+  assert table[0].split()[-4:] == ["a", "GPU", "us", "a/b"]
+  assert table[1].split()[-2:] == ["3.2", "n/a"]
 
 
 def test_gpu_roofline_plot_reads_both_benchmark_json_kinds(monkeypatch, tmp_path):
