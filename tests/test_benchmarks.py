@@ -363,3 +363,16 @@ def test_launch_probe_routing_stacked_or_one_argument_a_layer(monkeypatch):
       assert ids.shape == (3, 1, 2) and w.shape == (3, 1, 2)
     np_ids = [np.asarray(ids[j]) for j in range(3)]
     assert all(((a >= 0) & (a < 8)).all() for a in np_ids)
+
+
+def test_cpu_probe_interleave_sets_each_block_against_its_own_probe(monkeypatch, capsys):
+  # benchmarks/cpu_probe_interleave.py: the probe and the chained CPU harness in alternating
+  # blocks, each block's weight stream over that block's probe.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import cpu_probe_interleave as probe  # pylint: disable=import-outside-toplevel
+  rows = probe.main(["tiny", "1", "2", "--layers", "2", "--calls", "2", "--probe-mib", "8"])
+  assert [r["block"] for r in rows] == [0, 1]
+  for r in rows:
+    assert r["probe_gbps"] > 0 and r["layer_ms"] > 0 and r["weights_gbps"] > 0
+    assert r["dram_frac"] == pytest.approx(r["weights_gbps"] / r["probe_gbps"])
+  assert capsys.readouterr().out.count("block ") == 2

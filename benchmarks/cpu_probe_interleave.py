@@ -1,0 +1,81 @@
+"""The CPU MoE kernel and a DRAM read probe in alternating blocks of one process.
+
+On a shared VM the memory bandwidth can move by 1.5x within minutes, so a probe taken before a
+benchmark can belong to another phase than the figure it divides. Here every block is the probe
+(XLA's sum over a float32 array, median of three reads) followed by calls of
+cpu_moe_bench.py's chained harness (layers with weights of their own, fresh routings), and each
+line sets the block's weight stream against the block's probe:
+  python3 benchmarks/cpu_probe_interleave.py qwen3 1 30 [--probe-mib 1024] [--calls 15]
+The kernel's ISA is the library's choice (JAX_MOEQ_CPU_ISA=avx2 forces the AVX2 path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _timing, sibling benchmarks
+import _timing  # noqa: E402
+
+_timing.use_source_tree_if_not_installed()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import cpu_moe_bench as cb  # noqa: E402
+
+
+def median_seconds(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main(argv=None) -> list[dict]:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("shape", choices=sorted(cb.SHAPES))
+  ap.add_argument("tokens", type=int)
+  ap.add_argument("blocks", type=int)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--calls", type=int, default=15, help="harness calls per block")
+  ap.add_argument("--probe-mib", type=int, default=1024, help="the probe array's size")
+  ap.add_argument("--group-size", type=int, default=128)
+  args = ap.parse_args(argv)
+  from jax_moeq.ops.w4a8_cpu import w4a8_packed_bytes
+  shape = cb.SHAPES[args.shape]
+  h, i, g = shape.hidden_size, shape.intermediate_size, args.group_size
+  expert_bytes = w4a8_packed_bytes(2 * i, h, g) + w4a8_packed_bytes(h, i, g)
+  packed = cb.packed_layers(shape, g, args.layers, 0)
+  ring = cb.routing_ring(shape, args.tokens, 64, 0)
+  x = jax.random.normal(jax.random.key(args.tokens), (args.tokens, h),
+                        jnp.float32).astype(jnp.bfloat16)
+  call = cb.ring_call(cb.ours_stack_fn(shape, g), x, ring, packed)
+  hit = float(np.mean([len(np.unique(np.asarray(ids))) for ids, _, _ in ring]))
+  probe_array = jnp.asarray(np.random.default_rng(1).random(args.probe_mib << 18,
+                                                            dtype=np.float32))
+  probe = jax.jit(jnp.sum)
+  jax.block_until_ready(probe(probe_array))
+  jax.block_until_ready(call(0))
+  counter = iter(range(1, 1 << 62))
+  rows = []
+  for block in range(args.blocks):
+    probe_gbps = probe_array.nbytes / median_seconds(lambda: probe(probe_array), 3) / 1e9
+    layer_s = median_seconds(lambda: call(next(counter)), args.calls) / args.layers
+    weights_gbps = hit * expert_bytes / layer_s / 1e9
+    row = dict(block=block, probe_gbps=probe_gbps, layer_ms=layer_s * 1e3,
+               weights_gbps=weights_gbps, dram_frac=weights_gbps / probe_gbps)
+    rows.append(row)
+    print(f"block {block}: probe {probe_gbps:.1f} GB/s; layer {layer_s * 1e3:.3f} ms, weights "
+          f"{weights_gbps:.1f} GB/s, {100 * weights_gbps / probe_gbps:.0f} %", flush=True)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
