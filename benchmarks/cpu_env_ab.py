@@ -72,7 +72,6 @@ def main(argv=None) -> int:
   import jax
   import numpy as np
   import cpu_moe_bench as bench
-  from jax_moeq.ops.w4a8_cpu import w4a8_packed_bytes
 
   info = _timing.machine_info()
   llc = _timing.last_level_cache()
@@ -86,8 +85,8 @@ def main(argv=None) -> int:
   rows = []
   for name in [s for s in args.shapes.split(",") if s]:
     shape = bench.SHAPES[name]
-    h, i, g = shape.hidden_size, shape.intermediate_size, args.group_size
-    expert_bytes = w4a8_packed_bytes(2 * i, h, g) + w4a8_packed_bytes(h, i, g)
+    h, g = shape.hidden_size, args.group_size
+    expert_bytes = bench.expert_packed_bytes(shape, g)
     _timing.progress(f"{shape.name}: packing {args.layers} layers")
     packed = bench.packed_layers(shape, g, args.layers, args.seed)
     stack = bench.ours_stack_fn(shape, g)

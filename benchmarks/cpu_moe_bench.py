@@ -764,6 +764,18 @@ def ratio(baseline: float | None, ours: float) -> str | None:
 MIN_LAYERS = 4  # layers per call share its fixed costs, as in a model
 
 
+def expert_packed_bytes(shape: Shape, group_size: int) -> int:
+  """Bytes of one packed expert (w13 and w2) in our layout."""
+  from jax_moeq.ops.w4a8_cpu import w4a8_packed_bytes
+  h, i = shape.hidden_size, shape.intermediate_size
+  return w4a8_packed_bytes(2 * i, h, group_size) + w4a8_packed_bytes(h, i, group_size)
+
+
+def mean_experts_hit(ring) -> float:
+  """Distinct experts a layer reads, averaged over the ring's routings."""
+  return float(np.mean([len(np.unique(np.asarray(r[0]))) for r in ring]))
+
+
 def ring_size(shape: Shape, tokens: int, layers: int, expert_bytes: int, llc_bytes: int | None,
               minimum: int) -> int:
   """Routings to cycle through, a multiple of `layers`: layer l of call j takes routing
@@ -835,10 +847,9 @@ class Row:
 
 def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
                 ) -> tuple[str, list[str], list[Row]]:
-  from jax_moeq.ops.w4a8_cpu import w4a8_packed_bytes
   notes: list[str] = []
   h, i, g = shape.hidden_size, shape.intermediate_size, args.group_size
-  expert_bytes = w4a8_packed_bytes(2 * i, h, g) + w4a8_packed_bytes(h, i, g)
+  expert_bytes = expert_packed_bytes(shape, g)
   layer_bytes = shape.num_experts * expert_bytes
   layers = args.layers or default_layers(layer_bytes, llc_bytes)
   progress(f"{shape.name}: packing {layers} layers of {shape.num_experts} experts "
@@ -906,7 +917,7 @@ def bench_shape(shape: Shape, args, dram_gbps: float, llc_bytes: int | None
                               min_repeats=5, max_repeats=400, rest_after=rest_after)
     times = [[t / layers for t in ts] for ts in times]  # per layer
     seconds = float(np.median(times[0]))
-    hit = np.mean([len(np.unique(np.asarray(r[0]))) for r in ring])
+    hit = mean_experts_hit(ring)
     gbps = hit * expert_bytes / seconds / 1e9
     row = Row(tokens, seconds, min(times[0]), len(times[0]), gbps, gbps / dram_gbps,
               int8_ops(shape, tokens) / seconds / 1e9, load=load)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -29,13 +27,10 @@ import jax.numpy as jnp  # noqa: E402
 import cpu_moe_bench as cb  # noqa: E402
 
 
-def median_seconds(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+def median_seconds(call, repeats: int) -> float:
+  """Median seconds of call(0), ..., call(repeats - 1), nothing untimed."""
+  return _timing.median_time(call, warmup=0, min_repeats=repeats, max_repeats=repeats,
+                             target_seconds=0.0)[0]
 
 
 def main(argv=None) -> list[dict]:
@@ -48,26 +43,25 @@ def main(argv=None) -> list[dict]:
   ap.add_argument("--probe-mib", type=int, default=1024, help="the probe array's size")
   ap.add_argument("--group-size", type=int, default=128)
   args = ap.parse_args(argv)
-  from jax_moeq.ops.w4a8_cpu import w4a8_packed_bytes
   shape = cb.SHAPES[args.shape]
-  h, i, g = shape.hidden_size, shape.intermediate_size, args.group_size
-  expert_bytes = w4a8_packed_bytes(2 * i, h, g) + w4a8_packed_bytes(h, i, g)
+  h, g = shape.hidden_size, args.group_size
+  expert_bytes = cb.expert_packed_bytes(shape, g)
   packed = cb.packed_layers(shape, g, args.layers, 0)
   ring = cb.routing_ring(shape, args.tokens, 64, 0)
   x = jax.random.normal(jax.random.key(args.tokens), (args.tokens, h),
                         jnp.float32).astype(jnp.bfloat16)
   call = cb.ring_call(cb.ours_stack_fn(shape, g), x, ring, packed)
-  hit = float(np.mean([len(np.unique(np.asarray(ids))) for ids, _, _ in ring]))
+  hit = cb.mean_experts_hit(ring)
   probe_array = jnp.asarray(np.random.default_rng(1).random(args.probe_mib << 18,
                                                             dtype=np.float32))
   probe = jax.jit(jnp.sum)
   jax.block_until_ready(probe(probe_array))
   jax.block_until_ready(call(0))
-  counter = iter(range(1, 1 << 62))
   rows = []
   for block in range(args.blocks):
-    probe_gbps = probe_array.nbytes / median_seconds(lambda: probe(probe_array), 3) / 1e9
-    layer_s = median_seconds(lambda: call(next(counter)), args.calls) / args.layers
+    probe_gbps = probe_array.nbytes / median_seconds(lambda _: probe(probe_array), 3) / 1e9
+    first = 1 + block * args.calls  # every call a fresh routing
+    layer_s = median_seconds(lambda j: call(first + j), args.calls) / args.layers
     weights_gbps = hit * expert_bytes / layer_s / 1e9
     row = dict(block=block, probe_gbps=probe_gbps, layer_ms=layer_s * 1e3,
                weights_gbps=weights_gbps, dram_frac=weights_gbps / probe_gbps)
