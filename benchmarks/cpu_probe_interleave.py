@@ -57,6 +57,10 @@ def main(argv=None) -> list[dict]:
   probe = jax.jit(jnp.sum)
   jax.block_until_ready(probe(probe_array))
   jax.block_until_ready(call(0))
+  print(f"- {_timing.machine_line(_timing.machine_info())}; XLA pool "
+        f"{_timing.usable_cores()} threads; {shape.name} T={args.tokens}, {args.layers} layers "
+        f"a call ({args.layers * shape.num_experts * expert_bytes / 1e6:.0f} MB packed); the DRAM "
+        f"probe is each block's own", flush=True)
   rows = []
   for block in range(args.blocks):
     probe_gbps = probe_array.nbytes / median_seconds(lambda _: probe(probe_array), 3) / 1e9
