@@ -259,13 +259,12 @@ __global__ void __launch_bounds__(kOneTokenMaxWarps2 * 32, 1) OneTokenGemm2Kerne
   // line. The finalize reads them from shared memory (published by the barrier in `ready`): a
   // loop of global loads there would be K dependent memory latencies.
   const bool routed = p.experts_from_prior_kernel;
-  auto pair_int = [&](const int32_t* at) { return routed ? __ldcg(at) : __ldg(at); };
+  auto load_pair = [&](const auto* at) { return routed ? __ldcg(at) : __ldg(at); };
   if (threadIdx.x < p.top_k) {
-    pair_expert[threadIdx.x] = pair_int(p.pair_experts + threadIdx.x);
-    pair_weight[threadIdx.x] =
-        routed ? __ldcg(p.topk_weights + threadIdx.x) : __ldg(p.topk_weights + threadIdx.x);
+    pair_expert[threadIdx.x] = load_pair(p.pair_experts + threadIdx.x);
+    pair_weight[threadIdx.x] = load_pair(p.topk_weights + threadIdx.x);
   }
-  const int expert = pair_int(p.pair_experts + pair);
+  const int expert = load_pair(p.pair_experts + pair);
   const bool in = expert >= 0 && expert < p.experts;
   const int chunks = p.inter / 64, n_sub = p.hidden / 16;
   const int per_slice = (chunks + p.slices2 - 1) / p.slices2;

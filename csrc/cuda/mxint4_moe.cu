@@ -173,17 +173,18 @@ std::string RunMxInt4Moe(const MxInt4MoeProblem& p, cudaStream_t stream) {
   const int H = static_cast<int>(p.hidden), I = static_cast<int>(p.intermediate);
   const int L = static_cast<int>(p.local_experts);
 
-  // 1. Routing. At one token with GEMM1 split, its launch also zeroes GEMM1's workspace, so that
-  // GEMM1 follows it with the dependent launch instead of after a memset.
+  // 1. Routing. At one token with the general GEMM1 split, its launch also zeroes GEMM1's
+  // workspace, so that GEMM1 follows it with the dependent launch instead of after a memset. The
+  // streaming kernels and the fused decode kernel use no split-K workspace: nothing to zero.
   const bool direct = p.one_token;
-  const bool zero13_in_routing = direct && !p.fused_decode && p.split13 > 1;
+  const bool stream_kernels = p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream);
+  const bool zero13_in_routing = direct && !p.fused_decode && !stream_kernels && p.split13 > 1;
   err = RunMxInt4Routing(p, stream, zero13_in_routing ? p.ws13 : nullptr,
                          zero13_in_routing ? MxInt4MoeWs13Floats(p) : 0);
   if (!err.empty()) return err;
 
   // One token: the two streaming kernels (the stream main loop), or the fused decode kernel
   // where the pairs' weights fit the GPU's shared memory; both after the routing launch.
-  const bool stream_kernels = p.mainloop == static_cast<int>(GemmMainloop::kOneTokenStream);
   if (stream_kernels || p.fused_decode) {
     OneTokenLayer layer;
     layer.x = p.x;
