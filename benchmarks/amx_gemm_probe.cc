@@ -106,7 +106,7 @@ void AmxVariant(const W4A8GemmArgs& a) {
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
       for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2Bytes + ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead), _MM_HINT_T1);
       }
       if (kUnpack || gi == 0) {
         for (int64_t kb = 0; kb < bpg; ++kb) {
@@ -199,7 +199,7 @@ void AmxPingPong(const W4A8GemmArgs& a) {
     std::memset(acc.data(), 0, m_pad * kTileRows * sizeof(float));
     for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
       for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2Bytes + ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead), _MM_HINT_T1);
       }
       for (int64_t kb = 0; kb < bpg; ++kb) {
         const __m512i v = _mm512_loadu_si512(p + kb * 64);
@@ -222,6 +222,114 @@ void AmxPingPong(const W4A8GemmArgs& a) {
       }
     }
     StoreTile(a, nt, acc.data());
+  }
+  _tile_release();
+}
+
+// One 16-row block's float sums of one output tile held in 16 zmm registers across all groups,
+// instead of a float row in memory per group: the promotion is a load-and-convert and an FMA per
+// row. Two C tiles alternate between groups, so that group g + 1's products are issued before
+// group g's sums are promoted. The output tile's whole K is unpacked once, signed (nibble - 8,
+// TDPBSSD: the sums come out centred), and A is laid out per row block and chunk ([block][chunk]
+// [16][64]), so every tile load reads 1 KB in one piece. Bit-identical to the production loop.
+// (The tile intrinsics paste their register numbers into the instruction: literal ones only.)
+template <int kC>
+__attribute__((always_inline)) inline void RegAccProducts(const int8_t* a_chunks, const int8_t* b_chunks, int64_t chunks) {
+  if constexpr (kC == 0) _tile_zero(0); else _tile_zero(1);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    _tile_loadd(6, b_chunks + ch * 1024, 64);
+    _tile_loadd(4, a_chunks + ch * 1024, 64);
+    if constexpr (kC == 0) _tile_dpbssd(0, 4, 6); else _tile_dpbssd(1, 4, 6);
+  }
+}
+
+__attribute__((always_inline)) inline void RegAccPromote(const int32_t* c, __m512 scale, __m512 (&acc)[16]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * 16)), scale, acc[r]);
+  }
+}
+
+// kPromote false: the products alone (no C-tile store, no promotion; timing only).
+template <bool kPromote>
+void AmxRegAcc(const W4A8GemmArgs& a) {
+  const PackedGemmShape& s = a.shape;
+  const int64_t groups = s.groups(), bpg = s.group / kBlockInputs, k = s.k;
+  if (s.group % 64 != 0) return;  // the probe's shapes: chunks of 64 inputs
+  const int64_t kc_all = k / 64, chunks = s.group / 64;
+  const int64_t m_pad = (a.m + kTileM - 1) / kTileM * kTileM, blocks = m_pad / kTileM;
+  static thread_local std::vector<int8_t> abuf, bbuf;
+  static thread_local std::vector<float> scales;
+  abuf.assign(m_pad * k, 0);
+  bbuf.resize(k * kTileRows);
+  scales.resize(groups * kTileRows);
+  for (int64_t i = 0; i < a.m; ++i) {
+    const int8_t* src = a.act.values + a.rows[i] * k;
+    int8_t* dst = &abuf[(i / kTileM) * kc_all * 1024 + (i % kTileM) * 64];
+    for (int64_t kc = 0; kc < kc_all; ++kc) std::memcpy(dst + kc * 1024, src + kc * 64, 64);
+  }
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t : {0, 1, 4, 6}) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
+  const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
+  for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
+    const uint8_t* p = a.weights + nt * s.tile_bytes();
+    for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
+      for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead), _MM_HINT_T1);
+      }
+      int8_t* b = &bbuf[gi * s.group * kTileRows];
+      for (int64_t kb = 0; kb < bpg; ++kb) {
+        const __m512i v = _mm512_loadu_si512(p + kb * 64);
+        _mm512_storeu_si512(b + 2 * kb * 64, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+        _mm512_storeu_si512(b + (2 * kb + 1) * 64,
+                            _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
+      }
+      std::memcpy(&scales[gi * kTileRows], p + bpg * 64, kTileRows * 4);
+    }
+    const __m512 corr = _mm512_loadu_ps(row_corr + nt * 16), bv = _mm512_loadu_ps(bias + nt * 16);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      alignas(64) int32_t c[2][256];
+      const int8_t* ab = &abuf[blk * kc_all * 1024];
+      __m512 acc[16];
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      const int64_t gchunk = chunks * 1024;
+      RegAccProducts<0>(ab, bbuf.data(), chunks);
+      if (!kPromote) {
+        for (int64_t g = 1; g < groups; ++g) {
+          RegAccProducts<0>(ab + g * gchunk, bbuf.data() + g * gchunk, chunks);
+        }
+        _tile_stored(0, c[0], 64);
+        acc[0] = _mm512_cvtepi32_ps(_mm512_load_si512(c[0]));
+      }
+      if (kPromote) _tile_stored(0, c[0], 64);
+      int64_t gi = kPromote ? 0 : groups;
+      for (; gi + 2 <= groups; gi += 2) {
+        RegAccProducts<1>(ab + (gi + 1) * gchunk, bbuf.data() + (gi + 1) * gchunk, chunks);
+        RegAccPromote(c[0], _mm512_loadu_ps(&scales[gi * 16]), acc);
+        _tile_stored(1, c[1], 64);
+        if (gi + 2 < groups) {
+          RegAccProducts<0>(ab + (gi + 2) * gchunk, bbuf.data() + (gi + 2) * gchunk, chunks);
+        }
+        RegAccPromote(c[1], _mm512_loadu_ps(&scales[(gi + 1) * 16]), acc);
+        if (gi + 2 < groups) _tile_stored(0, c[0], 64);
+      }
+      if (kPromote && gi < groups) RegAccPromote(c[0], _mm512_loadu_ps(&scales[gi * 16]), acc);
+      const int64_t rows = std::min<int64_t>(kTileM, a.m - blk * kTileM);
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {  // unrolled, so that acc stays in registers
+        if (r >= rows) break;
+        const int64_t i = blk * kTileM + r, row = a.rows[i];
+        const __m512 zp = _mm512_set1_ps(static_cast<float>(a.act.zero_point[row]));
+        const __m512 xs = _mm512_set1_ps(a.act.scale[row]);
+        _mm512_storeu_ps(a.out + i * s.n + nt * 16,
+                         _mm512_fmadd_ps(_mm512_fnmadd_ps(zp, corr, acc[r]), xs, bv));
+      }
+    }
   }
   _tile_release();
 }
@@ -342,6 +450,8 @@ int main(int argc, char** argv) {
       {"amx ping-pong", AmxPingPong<true, true, false>},
       {"amx ping-pong, signed B", AmxPingPong<true, true, true>},
       {"amx ping-pong, no store+promote", AmxPingPong<false, false, false>},
+      {"amx register sums, signed B", AmxRegAcc<true>},
+      {"amx register sums, products only", AmxRegAcc<false>},
   };
   const int max_threads = argc > 1 ? std::atoi(argv[1]) : 16;
   std::printf("N=%ld K=%ld group %ld; GMAC/s summed over threads, each on its own weights\n",
@@ -356,7 +466,8 @@ int main(int argc, char** argv) {
       W4A8GemmAmx(a);
       const std::vector<float> ref = probs[0].out;
       for (Kernel kv : {AmxVariant<true, true, true, false>, AmxVariant<true, true, true, true>, W4A8GemmAvx512Vnni,
-                        AmxPingPong<true, true, false>, AmxPingPong<true, true, true>}) {
+                        AmxPingPong<true, true, false>, AmxPingPong<true, true, true>,
+                        AmxRegAcc<true>}) {
         std::fill(probs[0].out.begin(), probs[0].out.end(), -1.f);
         kv(a);
         if (std::memcmp(ref.data(), probs[0].out.data(), ref.size() * 4) != 0) {

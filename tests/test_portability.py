@@ -156,12 +156,15 @@ def _native_cxx():
   return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
-def _x86_cpu_flags() -> set[str]:
+def _read_cpuinfo() -> str:
   try:
-    text = Path("/proc/cpuinfo").read_text()
+    return Path("/proc/cpuinfo").read_text()
   except OSError:
-    return set()
-  match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return ""
+
+
+def _x86_cpu_flags() -> set[str]:
+  match = re.search(r"^flags\s*:(.*)$", _read_cpuinfo(), re.MULTILINE)
   return set(match.group(1).split()) if match else set()
 
 
@@ -178,6 +181,10 @@ def test_x86_paths_agree_with_portable(tmp_path):
   assert lines.get("portable") == "ok" and set(lines.values()) == {"ok"}, proc.stdout
   assert len(_case_counts(proc.stdout)) == 1, proc.stdout
   flags = _x86_cpu_flags()
+  vendor = re.search(r"^vendor_id\s*:\s*(\S+)", _read_cpuinfo(), re.MULTILINE)
+  if vendor:  # the maker that picks the VNNI loop's prefetch plan
+    expected = {"GenuineIntel": "intel", "AuthenticAMD": "amd", "HygonGenuine": "amd"}
+    assert f"cpu vendor: {expected.get(vendor.group(1), 'other')}" in proc.stdout, proc.stdout
   if {"avx2", "fma"} <= flags:
     assert "avx2" in lines, proc.stdout
   if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:

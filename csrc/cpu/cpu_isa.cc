@@ -1,6 +1,7 @@
 #include "cpu/cpu_isa.h"
 
 #include <cstdlib>
+#include <cstring>
 
 #if defined(JAX_MOEQ_X86)
 #include <cpuid.h>
@@ -118,7 +119,28 @@ std::vector<Isa> DetectIsas() {
   return isas;
 }
 
+CpuVendor ReadCpuVendor() {
+#if defined(JAX_MOEQ_X86)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return CpuVendor::kOther;
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  if (std::strcmp(vendor, "GenuineIntel") == 0) return CpuVendor::kIntel;
+  if (std::strcmp(vendor, "AuthenticAMD") == 0 || std::strcmp(vendor, "HygonGenuine") == 0) {
+    return CpuVendor::kAmd;
+  }
+#endif
+  return CpuVendor::kOther;
+}
+
 }  // namespace
+
+CpuVendor DetectedCpuVendor() {
+  static const CpuVendor vendor = ReadCpuVendor();
+  return vendor;
+}
 
 const std::vector<Isa>& AvailableIsas() {
   static const std::vector<Isa> isas = DetectIsas();

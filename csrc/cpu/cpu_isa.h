@@ -25,4 +25,9 @@ Isa SelectIsa(std::string* error);
 // Parses an ISA name; returns false when unknown.
 bool ParseIsa(const std::string& name, Isa* isa);
 
+// The CPU's maker, where a kernel's tuning differs by it (x86: CPUID's vendor string; Hygon's
+// cores are AMD's). Detected once.
+enum class CpuVendor { kOther = 0, kIntel = 1, kAmd = 2 };
+CpuVendor DetectedCpuVendor();
+
 }  // namespace jax_moeq::cpu

@@ -18,12 +18,26 @@ struct QuantizedActivations {
   const int32_t* sum8;    // [rows][groups]: 8 * sum of the group's values
 };
 
-// Software prefetch of the weight stream, per 64-byte block: to L1 a little ahead, and to L2
-// further ahead. One core's L1 tracks ~16 lines in flight (1 KB): at a loaded DRAM latency of
-// ~200 ns that caps a thread near 5 GB/s, where a decode needs each of 16 threads at ~8. The
-// L2 queue holds ~48 lines, so the L2 prefetch sets the rate.
-inline constexpr int64_t kPrefetchL1Bytes = 1024;
-inline constexpr int64_t kPrefetchL2Bytes = 4096;
+// Software prefetch of the weight stream, in bytes ahead of the 64-byte block being read (0:
+// none). Intel: into L1 a little ahead and into L2 further ahead. One core's L1 tracks ~16 lines
+// in flight (1 KB): at a loaded DRAM latency of ~200 ns that caps a thread near 5 GB/s, where a
+// decode needs each of 16 threads at ~8; the L2 queue holds ~48 lines, so the L2 prefetch sets
+// the rate. On the 16-core Xeon (2026-11-28, T = 1 and 8, three shapes) no other pair or single
+// prefetch was faster by more than the run's spread. AMD: one prefetch a line, into L1 6 KB
+// ahead. On the 2-core EPYC (2026-11-28, Qwen3-30B-A3B, the settings in turn with the DRAM probe
+// in one process) it streamed 44.6 / 46.4 GB/s at T = 1 / 8 where the Intel pair streamed 42.7 /
+// 45.2 (the VM's slow memory phase), and 56.7 / 64.6 against 48.4 / 54.9 in its fast one. A
+// second prefetch of a line already requested takes a miss buffer of its own.
+// docs/performance.md has the sweeps.
+struct StreamPrefetch {
+  int64_t l1_bytes;
+  int64_t l2_bytes;
+};
+inline constexpr StreamPrefetch kIntelStreamPrefetch{1024, 4096};
+inline constexpr StreamPrefetch kAmdStreamPrefetch{6144, 0};
+// The VNNI loop takes the plan of DetectedCpuVendor() (other makers: Intel's); the AMX loop
+// runs on Intel only and the AVX2 loop has its own distance (below).
+
 // The AVX2 loop issues ~20 instructions per block against VNNI's ~8, so fewer blocks fit its
 // out-of-order window. It prefetches each line once, into L1, as far ahead as the L2 prefetch of
 // the other paths: one prefetch instruction per block fewer, and the lines in L1 when the loop

@@ -152,7 +152,8 @@ void W4A8GemmAmx(const W4A8GemmArgs& a) {
     std::memset(buf.acc.data(), 0, m_pad * kTileRows * sizeof(float));
     for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
       for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2Bytes + ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead),
+                     _MM_HINT_T1);
       }
       UnpackGroup(p, blocks_per_group, buf.b.data());
       const __m512 scale = _mm512_loadu_ps(p + blocks_per_group * kBlockBytes);

@@ -19,7 +19,8 @@ inline __m512i Broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-template <int M>
+// kPrefetch: the CPU's StreamPrefetch (a template argument: no test in the loop).
+template <int M, const StreamPrefetch& kPrefetch>
 void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0) {
   const PackedGemmShape& s = a.shape;
   const int64_t groups = s.groups();
@@ -40,8 +41,12 @@ void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0
     for (int i = 0; i < M; ++i) dot[i] = _mm512_setzero_si512();
     const int64_t k_group = gi * s.group;
     for (int64_t kb = 0; kb < blocks_per_group; ++kb, p += kBlockBytes) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
+      if constexpr (kPrefetch.l1_bytes != 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l1_bytes, _MM_HINT_T0);
+      }
+      if constexpr (kPrefetch.l2_bytes != 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l2_bytes, _MM_HINT_T1);
+      }
       const __m512i packed = _mm512_loadu_si512(p);
       const __m512i lo = _mm512_and_si512(packed, low_mask);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
@@ -71,24 +76,30 @@ void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0
   }
 }
 
-}  // namespace
-
-void W4A8GemmAvx512Vnni(const W4A8GemmArgs& a) {
+template <const StreamPrefetch& kPrefetch>
+void Gemm(const W4A8GemmArgs& a) {
   for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
     const uint8_t* tile = a.weights + nt * a.shape.tile_bytes();
     int64_t i = 0;
-    for (; i + kRowBlock <= a.m; i += kRowBlock) TileRows<kRowBlock>(a, tile, nt, i);
+    for (; i + kRowBlock <= a.m; i += kRowBlock) TileRows<kRowBlock, kPrefetch>(a, tile, nt, i);
     switch (a.m - i) {
-      case 7: TileRows<7>(a, tile, nt, i); break;
-      case 6: TileRows<6>(a, tile, nt, i); break;
-      case 5: TileRows<5>(a, tile, nt, i); break;
-      case 4: TileRows<4>(a, tile, nt, i); break;
-      case 3: TileRows<3>(a, tile, nt, i); break;
-      case 2: TileRows<2>(a, tile, nt, i); break;
-      case 1: TileRows<1>(a, tile, nt, i); break;
+      case 7: TileRows<7, kPrefetch>(a, tile, nt, i); break;
+      case 6: TileRows<6, kPrefetch>(a, tile, nt, i); break;
+      case 5: TileRows<5, kPrefetch>(a, tile, nt, i); break;
+      case 4: TileRows<4, kPrefetch>(a, tile, nt, i); break;
+      case 3: TileRows<3, kPrefetch>(a, tile, nt, i); break;
+      case 2: TileRows<2, kPrefetch>(a, tile, nt, i); break;
+      case 1: TileRows<1, kPrefetch>(a, tile, nt, i); break;
       default: break;
     }
   }
+}
+
+}  // namespace
+
+void W4A8GemmAvx512Vnni(const W4A8GemmArgs& a) {
+  if (DetectedCpuVendor() == CpuVendor::kAmd) return Gemm<kAmdStreamPrefetch>(a);
+  Gemm<kIntelStreamPrefetch>(a);
 }
 
 }  // namespace jax_moeq::cpu

@@ -518,6 +518,12 @@ int64_t CheckAmxAgainstVnni() {
 
 int main() {
   const std::vector<Isa>& isas = AvailableIsas();
+  // The VNNI loop's prefetch plan follows the maker (w4a8_gemm.h): the test checks this line
+  // against /proc/cpuinfo.
+  const CpuVendor vendor = DetectedCpuVendor();
+  std::printf("cpu vendor: %s\n", vendor == CpuVendor::kAmd     ? "amd"
+                                   : vendor == CpuVendor::kIntel ? "intel"
+                                                                 : "other");
   std::vector<Tally> tallies(isas.size());
   CheckGemms(isas, tallies);
   CheckMoe(isas, tallies);
