@@ -36,16 +36,18 @@ struct StreamPrefetch {
 inline constexpr StreamPrefetch kIntelStreamPrefetch{1024, 4096};
 inline constexpr StreamPrefetch kAmdStreamPrefetch{6144, 0};
 // The VNNI loop takes the plan of DetectedCpuVendor() (other makers: Intel's); the AMX loop
-// runs on Intel only and the AVX2 loop has its own distance (below).
-
+// runs on Intel only.
+//
 // The AVX2 loop issues ~20 instructions per block against VNNI's ~8, so fewer blocks fit its
-// out-of-order window. It prefetches each line once, into L1, as far ahead as the L2 prefetch of
-// the other paths: one prefetch instruction per block fewer, and the lines in L1 when the loop
-// reaches them. AMD EPYC, 2 threads, AVX2 / VNNI time in one process, 3 processes per build
-// (2026-11-28): OLMoE T=1 1.10-1.14 -> 1.05-1.08, T=8 1.16-1.20 -> 1.14-1.17; Qwen3-30B-A3B
-// T=1 1.16-1.18 -> 1.12-1.13, T=8 1.17-1.19 -> 1.11-1.12; T = 32 and 128 level. (Before that,
-// 2 KB into L1 plus 4 KB into L2; 1 KB into L1 was slower still.)
-inline constexpr int64_t kPrefetchL1BytesAvx2 = 4096;
+// out-of-order window. It prefetches each line once, into L1: on AMD as the VNNI loop does
+// (2-core EPYC, 2026-11-28, the settings in turn with the probe in one process: 6 KB ahead
+// streamed 47.7 / 49.0 GB/s at T = 1 / 8 in the fast memory phase where 4 KB streamed 45.4 /
+// 47.3, level in the slow phase), elsewhere 4 KB ahead (tuned on that EPYC before the fast phase
+// was seen; no Intel AVX2-only CPU was measured). Earlier on the EPYC: one prefetch a line 4 KB
+// into L1 against 2 KB into L1 plus 4 KB into L2, AVX2 / VNNI time in one process, 3 processes
+// per build: OLMoE T=1 1.10-1.14 -> 1.05-1.08, T=8 1.16-1.20 -> 1.14-1.17; Qwen3-30B-A3B T=1
+// 1.16-1.18 -> 1.12-1.13, T=8 1.17-1.19 -> 1.11-1.12; T = 32 and 128 level.
+inline constexpr StreamPrefetch kAvx2StreamPrefetch{4096, 0};
 
 struct W4A8GemmArgs {
   const uint8_t* weights;     // one expert, packed

@@ -25,7 +25,8 @@ inline __m256i Broadcast4(const int8_t* p) {
 }
 
 
-template <int M>
+// kPrefetch: the CPU's plan (w4a8_gemm.h; a template argument: no test in the loop).
+template <int M, const StreamPrefetch& kPrefetch>
 void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0) {
   const PackedGemmShape& s = a.shape;
   const int64_t groups = s.groups();
@@ -51,7 +52,12 @@ void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0
       __m256i sum16[M][2];
       for (int i = 0; i < M; ++i) sum16[i][0] = sum16[i][1] = _mm256_setzero_si256();
       for (int64_t b = 0; b < chain; ++b, p += kBlockBytes) {
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL1BytesAvx2, _MM_HINT_T0);
+        if constexpr (kPrefetch.l1_bytes != 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l1_bytes, _MM_HINT_T0);
+        }
+        if constexpr (kPrefetch.l2_bytes != 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l2_bytes, _MM_HINT_T1);
+        }
         const int64_t k0 = k_group + (kb + b) * kBlockInputs;
         for (int h = 0; h < 2; ++h) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
@@ -95,15 +101,21 @@ void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0
   }
 }
 
-}  // namespace
-
-void W4A8GemmAvx2(const W4A8GemmArgs& a) {
+template <const StreamPrefetch& kPrefetch>
+void Gemm(const W4A8GemmArgs& a) {
   for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
     const uint8_t* tile = a.weights + nt * a.shape.tile_bytes();
     int64_t i = 0;
-    for (; i + kRowBlock <= a.m; i += kRowBlock) TileRows<kRowBlock>(a, tile, nt, i);
-    if (i < a.m) TileRows<1>(a, tile, nt, i);
+    for (; i + kRowBlock <= a.m; i += kRowBlock) TileRows<kRowBlock, kPrefetch>(a, tile, nt, i);
+    if (i < a.m) TileRows<1, kPrefetch>(a, tile, nt, i);
   }
+}
+
+}  // namespace
+
+void W4A8GemmAvx2(const W4A8GemmArgs& a) {
+  if (DetectedCpuVendor() == CpuVendor::kAmd) return Gemm<kAmdStreamPrefetch>(a);
+  Gemm<kAvx2StreamPrefetch>(a);
 }
 
 }  // namespace jax_moeq::cpu
