@@ -4,6 +4,10 @@
 
 #include <cstdint>
 
+#if defined(JAX_MOEQ_X86)
+#include <immintrin.h>
+#endif
+
 #include "cpu/cpu_isa.h"
 #include "cpu/w4a8_layout.h"
 
@@ -48,6 +52,19 @@ inline constexpr StreamPrefetch kAmdStreamPrefetch{6144, 0};
 // per build: OLMoE T=1 1.10-1.14 -> 1.05-1.08, T=8 1.16-1.20 -> 1.14-1.17; Qwen3-30B-A3B T=1
 // 1.16-1.18 -> 1.12-1.13, T=8 1.17-1.19 -> 1.11-1.12; T = 32 and 128 level.
 inline constexpr StreamPrefetch kAvx2StreamPrefetch{4096, 0};
+
+#if defined(JAX_MOEQ_X86)
+// The prefetches of the plan for the 64-byte block at p (a template argument: no test per block).
+template <const StreamPrefetch& kPrefetch>
+inline void PrefetchWeightBlock(const uint8_t* p) {
+  if constexpr (kPrefetch.l1_bytes != 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l1_bytes, _MM_HINT_T0);
+  }
+  if constexpr (kPrefetch.l2_bytes != 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l2_bytes, _MM_HINT_T1);
+  }
+}
+#endif
 
 struct W4A8GemmArgs {
   const uint8_t* weights;     // one expert, packed

@@ -52,12 +52,7 @@ void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0
       __m256i sum16[M][2];
       for (int i = 0; i < M; ++i) sum16[i][0] = sum16[i][1] = _mm256_setzero_si256();
       for (int64_t b = 0; b < chain; ++b, p += kBlockBytes) {
-        if constexpr (kPrefetch.l1_bytes != 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l1_bytes, _MM_HINT_T0);
-        }
-        if constexpr (kPrefetch.l2_bytes != 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l2_bytes, _MM_HINT_T1);
-        }
+        PrefetchWeightBlock<kPrefetch>(p);
         const int64_t k0 = k_group + (kb + b) * kBlockInputs;
         for (int h = 0; h < 2; ++h) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));

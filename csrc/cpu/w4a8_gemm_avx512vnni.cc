@@ -41,12 +41,7 @@ void TileRows(const W4A8GemmArgs& a, const uint8_t* tile, int64_t nt, int64_t i0
     for (int i = 0; i < M; ++i) dot[i] = _mm512_setzero_si512();
     const int64_t k_group = gi * s.group;
     for (int64_t kb = 0; kb < blocks_per_group; ++kb, p += kBlockBytes) {
-      if constexpr (kPrefetch.l1_bytes != 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l1_bytes, _MM_HINT_T0);
-      }
-      if constexpr (kPrefetch.l2_bytes != 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch.l2_bytes, _MM_HINT_T1);
-      }
+      PrefetchWeightBlock<kPrefetch>(p);
       const __m512i packed = _mm512_loadu_si512(p);
       const __m512i lo = _mm512_and_si512(packed, low_mask);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
