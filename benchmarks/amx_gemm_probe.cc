@@ -44,6 +44,29 @@ void StoreTile(const W4A8GemmArgs& a, int64_t nt, const float* acc) {
   }
 }
 
+// One (tile, group) chunk's stream ahead asked of the L2, as the production loop does.
+inline void PrefetchChunkAhead(const PackedGemmShape& s, const uint8_t* p) {
+  for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead),
+                 _MM_HINT_T1);
+  }
+}
+
+// A group's `blocks` packed blocks as B rows (block kb's low nibbles are row 2 kb, its high
+// nibbles 2 kb + 1); kSigned: nibble - 8, for TDPBSSD.
+template <bool kSigned>
+inline void UnpackGroupRows(const uint8_t* p, int64_t blocks, void* dst) {
+  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  uint8_t* b = static_cast<uint8_t*>(dst);
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const __m512i v = _mm512_loadu_si512(p + kb * 64);
+    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if (kSigned) { lo = _mm512_sub_epi8(lo, eight); hi = _mm512_sub_epi8(hi, eight); }
+    _mm512_storeu_si512(b + 2 * kb * 64, lo);
+    _mm512_storeu_si512(b + (2 * kb + 1) * 64, hi);
+  }
+}
+
 // The row block's C tiles stored (kStore) and promoted into acc (kPromote); kCentred: the sums
 // are centred already (signed B), else sum8 is subtracted per row.
 template <bool kStore, bool kPromote, bool kCentred>
@@ -100,21 +123,12 @@ void AmxVariant(const W4A8GemmArgs& a) {
   cfg.rows[4] = 16; cfg.colsb[4] = 64;
   cfg.rows[6] = 16; cfg.colsb[6] = 64;
   _tile_loadconfig(&cfg);
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
     const uint8_t* p = a.weights + nt * s.tile_bytes();
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
-      for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead), _MM_HINT_T1);
-      }
-      if (kUnpack || gi == 0) {
-        for (int64_t kb = 0; kb < bpg; ++kb) {
-          const __m512i v = _mm512_loadu_si512(p + kb * 64);
-          _mm512_storeu_si512(&bbuf[2 * kb * 64], _mm512_and_si512(v, low));
-          _mm512_storeu_si512(&bbuf[(2 * kb + 1) * 64], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-        }
-      }
+      PrefetchChunkAhead(s, p);
+      if (kUnpack || gi == 0) UnpackGroupRows<false>(p, bpg, bbuf.data());
       const __m512 scale = _mm512_loadu_ps(p + bpg * 64);
       for (int64_t row0 = 0; row0 < m_pad; row0 += 64) {
         const int64_t tiles = std::min<int64_t>(4, (m_pad - row0) / 16);
@@ -193,21 +207,12 @@ void AmxPingPong(const W4A8GemmArgs& a) {
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
-  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
     const uint8_t* p = a.weights + nt * s.tile_bytes();
     std::memset(acc.data(), 0, m_pad * kTileRows * sizeof(float));
     for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
-      for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead), _MM_HINT_T1);
-      }
-      for (int64_t kb = 0; kb < bpg; ++kb) {
-        const __m512i v = _mm512_loadu_si512(p + kb * 64);
-        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        if (kSigned) { lo = _mm512_sub_epi8(lo, eight); hi = _mm512_sub_epi8(hi, eight); }
-        _mm512_storeu_si512(&bbuf[2 * kb * 64], lo);
-        _mm512_storeu_si512(&bbuf[(2 * kb + 1) * 64], hi);
-      }
+      PrefetchChunkAhead(s, p);
+      UnpackGroupRows<kSigned>(p, bpg, bbuf.data());
       const __m512 scale = _mm512_loadu_ps(p + bpg * 64);
       for (int64_t row0 = 0; row0 < m_pad; row0 += 64) {
         const int64_t tiles = std::min<int64_t>(4, (m_pad - row0) / 16);
@@ -273,22 +278,13 @@ void AmxRegAcc(const W4A8GemmArgs& a) {
   cfg.palette_id = 1;
   for (int t : {0, 1, 4, 6}) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
-  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   const float* row_corr = reinterpret_cast<const float*>(a.weights + s.row_corr_offset());
   const float* bias = reinterpret_cast<const float*>(a.weights + s.bias_offset());
   for (int64_t nt = a.tile_begin; nt < a.tile_end; ++nt) {
     const uint8_t* p = a.weights + nt * s.tile_bytes();
     for (int64_t gi = 0; gi < groups; ++gi, p += s.chunk_bytes()) {
-      for (int64_t ahead = 0; ahead < s.chunk_bytes(); ahead += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + kIntelStreamPrefetch.l2_bytes + ahead), _MM_HINT_T1);
-      }
-      int8_t* b = &bbuf[gi * s.group * kTileRows];
-      for (int64_t kb = 0; kb < bpg; ++kb) {
-        const __m512i v = _mm512_loadu_si512(p + kb * 64);
-        _mm512_storeu_si512(b + 2 * kb * 64, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
-        _mm512_storeu_si512(b + (2 * kb + 1) * 64,
-                            _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
-      }
+      PrefetchChunkAhead(s, p);
+      UnpackGroupRows<true>(p, bpg, &bbuf[gi * s.group * kTileRows]);
       std::memcpy(&scales[gi * kTileRows], p + bpg * 64, kTileRows * 4);
     }
     const __m512 corr = _mm512_loadu_ps(row_corr + nt * 16), bv = _mm512_loadu_ps(bias + nt * 16);
@@ -298,27 +294,28 @@ void AmxRegAcc(const W4A8GemmArgs& a) {
       __m512 acc[16];
       for (auto& v : acc) v = _mm512_setzero_ps();
       const int64_t gchunk = chunks * 1024;
-      RegAccProducts<0>(ab, bbuf.data(), chunks);
-      if (!kPromote) {
-        for (int64_t g = 1; g < groups; ++g) {
+      if constexpr (!kPromote) {  // every group's products into one C tile, stored once
+        for (int64_t g = 0; g < groups; ++g) {
           RegAccProducts<0>(ab + g * gchunk, bbuf.data() + g * gchunk, chunks);
         }
         _tile_stored(0, c[0], 64);
         acc[0] = _mm512_cvtepi32_ps(_mm512_load_si512(c[0]));
-      }
-      if (kPromote) _tile_stored(0, c[0], 64);
-      int64_t gi = kPromote ? 0 : groups;
-      for (; gi + 2 <= groups; gi += 2) {
-        RegAccProducts<1>(ab + (gi + 1) * gchunk, bbuf.data() + (gi + 1) * gchunk, chunks);
-        RegAccPromote(c[0], _mm512_loadu_ps(&scales[gi * 16]), acc);
-        _tile_stored(1, c[1], 64);
-        if (gi + 2 < groups) {
-          RegAccProducts<0>(ab + (gi + 2) * gchunk, bbuf.data() + (gi + 2) * gchunk, chunks);
+      } else {
+        RegAccProducts<0>(ab, bbuf.data(), chunks);
+        _tile_stored(0, c[0], 64);
+        int64_t gi = 0;
+        for (; gi + 2 <= groups; gi += 2) {
+          RegAccProducts<1>(ab + (gi + 1) * gchunk, bbuf.data() + (gi + 1) * gchunk, chunks);
+          RegAccPromote(c[0], _mm512_loadu_ps(&scales[gi * 16]), acc);
+          _tile_stored(1, c[1], 64);
+          if (gi + 2 < groups) {
+            RegAccProducts<0>(ab + (gi + 2) * gchunk, bbuf.data() + (gi + 2) * gchunk, chunks);
+          }
+          RegAccPromote(c[1], _mm512_loadu_ps(&scales[(gi + 1) * 16]), acc);
+          if (gi + 2 < groups) _tile_stored(0, c[0], 64);
         }
-        RegAccPromote(c[1], _mm512_loadu_ps(&scales[(gi + 1) * 16]), acc);
-        if (gi + 2 < groups) _tile_stored(0, c[0], 64);
+        if (gi < groups) RegAccPromote(c[0], _mm512_loadu_ps(&scales[gi * 16]), acc);
       }
-      if (kPromote && gi < groups) RegAccPromote(c[0], _mm512_loadu_ps(&scales[gi * 16]), acc);
       const int64_t rows = std::min<int64_t>(kTileM, a.m - blk * kTileM);
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {  // unrolled, so that acc stays in registers
