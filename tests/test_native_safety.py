@@ -180,6 +180,7 @@ _CPU_SOURCES = {
     "w4a8_gemm_portable.cc": [],
     "w4a8_rows_portable.cc": [],
     "w4a8_gemm_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
+    "w4a8_rows_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
     "w4a8_gemm_avx512vnni.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                                 "-mavx512vnni", "-mfma", "-mf16c"],
     "w4a8_rows_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",

@@ -44,8 +44,9 @@ def test_cpu_kernels_build_for_aarch64():
 # ------------------------------------------------------------------ ISA harness builds
 _COMMON_SOURCES = ("cpu_isa.cc", "w4a8_moe.cc", "w4a8_gemm_portable.cc", "w4a8_rows_portable.cc")
 _AARCH64_SOURCES = _COMMON_SOURCES + ("w4a8_gemm_neon_dotprod.cc", "w4a8_gemm_neon_i8mm.cc")
-_X86_SOURCES = _COMMON_SOURCES + ("w4a8_gemm_avx2.cc", "w4a8_gemm_avx512vnni.cc",
-                                  "w4a8_rows_avx512.cc", "w4a8_gemm_amx.cc")
+_X86_SOURCES = _COMMON_SOURCES + ("w4a8_gemm_avx2.cc", "w4a8_rows_avx2.cc",
+                                  "w4a8_gemm_avx512vnni.cc", "w4a8_rows_avx512.cc",
+                                  "w4a8_gemm_amx.cc")
 # The library's flags (CMakeLists.txt JAX_MOEQ_CPU_FLAGS at -O2): the NEON paths' bit identity
 # rests on -ffp-contract=off.
 _FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-fno-math-errno", f"-I{ROOT}/csrc"]
@@ -105,8 +106,8 @@ def test_cmake_gives_every_simd_file_its_flags():
   flags = _cmake_file_flags()
   assert flags["w4a8_gemm_neon_dotprod.cc"] == ["-march=armv8.2-a+dotprod"]
   assert flags["w4a8_gemm_neon_i8mm.cc"] == ["-march=armv8.2-a+dotprod+i8mm"]
-  for name in ("w4a8_gemm_avx2.cc", "w4a8_gemm_avx512vnni.cc", "w4a8_rows_avx512.cc",
-               "w4a8_gemm_amx.cc"):
+  for name in ("w4a8_gemm_avx2.cc", "w4a8_rows_avx2.cc", "w4a8_gemm_avx512vnni.cc",
+               "w4a8_rows_avx512.cc", "w4a8_gemm_amx.cc"):
     assert "-mfma" in flags[name], name
   assert {"-mamx-tile", "-mamx-int8", "-mavx512vnni"} <= set(flags["w4a8_gemm_amx.cc"])
 
@@ -187,8 +188,13 @@ def test_x86_paths_agree_with_portable(tmp_path):
     assert f"cpu vendor: {expected.get(vendor.group(1), 'other')}" in proc.stdout, proc.stdout
   if {"avx2", "fma"} <= flags:
     assert "avx2" in lines, proc.stdout
+    # The SIMD row stages against the portable ones (and AVX2 against AVX-512, bit for bit).
+    rows = re.search(r"^ok row ops: (\d+) cases against portable, (\d+) avx2 against avx512",
+                     proc.stdout, re.M)
+    assert rows and int(rows.group(1)) > 0, proc.stdout
   if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
     assert "avx512_vnni" in lines, proc.stdout
+    assert rows and int(rows.group(2)) > 0, proc.stdout
     # AMX also needs the OS to grant the tile state, which /proc/cpuinfo does not show: where
     # the path was chosen, its bit-exact comparison with VNNI must have run and passed.
     if "amx_int8" in lines:

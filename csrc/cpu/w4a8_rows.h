@@ -1,8 +1,9 @@
 // Row-wise stages of the W4A8 MoE around the GEMMs: dtype rounding, gated
 // activation, int8 activation quantization (SPEC §3), weighted accumulation.
-// A portable version and an AVX-512 one; both give the same int8 values
-// (same float32 operations in the same order, no contraction), and row
-// lengths are always multiples of 16.
+// A portable version, an AVX2 one and an AVX-512 one; they give the same int8
+// values (same float32 operations in the same order, no contraction; the SIMD
+// versions share one exp polynomial, so AVX2 and AVX-512 agree bit for bit),
+// and row lengths are always multiples of 16.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,7 @@ struct RowOps {
 
 const RowOps& PortableRowOps();
 #if defined(JAX_MOEQ_X86)
+const RowOps& Avx2RowOps();
 const RowOps& Avx512RowOps();
 #endif
 
@@ -43,6 +45,7 @@ const RowOps& Avx512RowOps();
 inline const RowOps& RowOpsFor(Isa isa) {
 #if defined(JAX_MOEQ_X86)
   if (isa == Isa::kAvx512Vnni || isa == Isa::kAmxInt8) return Avx512RowOps();
+  if (isa == Isa::kAvx2) return Avx2RowOps();
 #endif
   (void)isa;
   return PortableRowOps();

@@ -19,6 +19,7 @@
 #include "cpu/w4a8_gemm.h"
 #include "cpu/w4a8_layout.h"
 #include "cpu/w4a8_moe.h"
+#include "cpu/w4a8_rows.h"
 
 using namespace jax_moeq::cpu;
 
@@ -63,6 +64,169 @@ class Random {
  private:
   std::mt19937 gen_;
 };
+
+// ------------------------------------------------------------------ row stages
+
+// The SIMD row ops (w4a8_rows.h) against the portable ones on rows of mixed magnitudes (with
+// quiet and signaling NaN, infinities, subnormals and values past exp's clamp): load, store, scale_round, quantize
+// and accumulate bit-exact; activate within 8 float32 ulp (exp is a polynomial, within ~2 ulp,
+// and one division and two products follow it), or, in bf16 / f16, within one step of the
+// type, since a few float32 ulp can move the rounding to it; AVX2 and AVX-512 bit-exact with
+// each other where both run. Returns the failures.
+struct RowOpsResult {
+  std::vector<uint8_t> stored;
+  std::vector<float> loaded, scaled, activated, accumulated, scales;
+  std::vector<int8_t> q;
+  std::vector<int32_t> zero_points, sum8;
+};
+
+std::vector<float> RandomRow(int64_t n, int variant, Random& rng) {
+  std::vector<float> v(n);
+  const float magnitude = variant % 3 == 0 ? 1.0f : variant % 3 == 1 ? 30.0f : 1e-3f;
+  for (auto& x : v) x = magnitude * rng.Normal();
+  if (variant % 4 == 1) {
+    v[rng.Int(0, n - 1)] = 120.0f;    // exp(-120) and exp(120) past the +-100 clamp
+    v[rng.Int(0, n - 1)] = -95.0f;
+    v[rng.Int(0, n - 1)] = 1e-40f;    // subnormal
+    v[rng.Int(0, n - 1)] = -0.0f;
+  }
+  if (variant % 8 == 5) v[rng.Int(0, n - 1)] = kNaN;
+  if (variant % 8 == 6) v[rng.Int(0, n - 1)] = -std::numeric_limits<float>::infinity();
+  if (variant % 8 == 7) v[rng.Int(0, n - 1)] = std::numeric_limits<float>::signaling_NaN();
+  return v;
+}
+
+RowOpsResult RunRowOps(const RowOps& ops, ElementType t, ActivationKind kind,
+                       const std::vector<float>& a, const std::vector<float>& b, int64_t group,
+                       float w) {
+  const int64_t n = static_cast<int64_t>(a.size());
+  const int64_t esize = t == ElementType::kF32 ? 4 : 2;
+  RowOpsResult r;
+  r.stored.assign(n * esize, 0xA5);
+  std::vector<float> rounded = a;
+  ops.scale_round(t, 1.0f, rounded.data(), n);
+  ops.store(t, rounded.data(), n, r.stored.data(), 0);
+  r.loaded.assign(n, kNaN);
+  ops.load(t, r.stored.data(), 0, n, r.loaded.data());
+  r.scaled = a;
+  ops.scale_round(t, 0.37f, r.scaled.data(), n);
+  std::vector<float> gate = a, up = b;
+  r.activated.assign(n, kNaN);
+  ops.activate(t, kind, gate.data(), up.data(), n, r.activated.data());
+  r.accumulated = b;
+  ops.accumulate(t, a.data(), w, true, r.accumulated.data(), n);
+  ops.accumulate(t, b.data(), 1.0f, false, r.accumulated.data(), n);
+  const int64_t groups = n / group;
+  r.q.assign(n, 99);
+  r.sum8.assign(groups, -7);
+  r.scales.assign(1, -1.0f);
+  r.zero_points.assign(1, -999);
+  ops.quantize(a.data(), n, group, r.q.data(), r.scales.data(), r.zero_points.data(),
+               r.sum8.data());
+  return r;
+}
+
+// Bit for bit, except that a NaN matches any NaN: the payload is not part of the contract
+// (F16C keeps a signaling NaN's payload when it quiets it, the portable conversion does not).
+bool SameBits(const std::vector<float>& x, const std::vector<float>& y) {
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i]) && std::isnan(y[i])) continue;
+    if (std::memcmp(&x[i], &y[i], 4) != 0) return false;
+  }
+  return true;
+}
+
+std::vector<float> StoredFloats(const std::vector<uint8_t>& bytes, ElementType t) {
+  std::vector<float> v;
+  for (size_t i = 0; i < bytes.size(); i += t == ElementType::kF32 ? 4 : 2) {
+    float f;
+    if (t == ElementType::kF32) {
+      std::memcpy(&f, &bytes[i], 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, &bytes[i], 2);
+      f = t == ElementType::kBF16 ? Bf16ToFloat(h) : F16ToFloat(h);
+    }
+    v.push_back(f);
+  }
+  return v;
+}
+
+// |got - want| <= ulps float32 steps of want, or <= `step` (relative) * |want| + `floor`.
+bool ActivationsAgree(const std::vector<float>& got, const std::vector<float>& want,
+                      ElementType t) {
+  const double step = t == ElementType::kBF16 ? 0x1p-8 : t == ElementType::kF16 ? 0x1p-11 : 0.0;
+  const double floor = t == ElementType::kF16 ? 0x1p-24 : 0.0;  // f16's subnormal step
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i]) || std::isnan(want[i])) {
+      if (std::isnan(got[i]) != std::isnan(want[i])) return false;
+      continue;
+    }
+    const double g = got[i], w = want[i];
+    const double ulp = std::fabs(std::nextafter(want[i], INFINITY) - want[i]);
+    if (std::fabs(g - w) > std::max(8 * ulp, step * std::fabs(w) + floor)) return false;
+  }
+  return true;
+}
+
+int64_t CheckRowOps(const std::vector<Isa>& isas) {
+  std::vector<std::pair<const char*, const RowOps*>> simd;
+#if defined(JAX_MOEQ_X86)
+  const auto has = [&](Isa isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
+  if (has(Isa::kAvx2)) simd.push_back({"avx2", &Avx2RowOps()});
+  if (has(Isa::kAvx512Vnni)) simd.push_back({"avx512", &Avx512RowOps()});
+#else
+  (void)isas;
+#endif
+  if (simd.empty()) return 0;
+  Random rng(41);
+  const ElementType dtypes[] = {ElementType::kF32, ElementType::kBF16, ElementType::kF16};
+  const ActivationKind kinds[] = {ActivationKind::kSwigluStep, ActivationKind::kSwigluOai,
+                                  ActivationKind::kSilu};
+  int64_t cases = 0, failures = 0, cross = 0;
+  for (int variant = 0; variant < 48; ++variant) {
+    const int64_t n = 16 * rng.Int(1, 24);
+    const int64_t group = n % 64 == 0 ? 32 : 16;
+    const ElementType t = dtypes[variant % 3];
+    const ActivationKind kind = kinds[(variant / 3) % 3];
+    const std::vector<float> a = RandomRow(n, variant, rng), b = RandomRow(n, variant + 1, rng);
+    const float w = rng.Uniform(0.05f, 1.0f);
+    const RowOpsResult want = RunRowOps(PortableRowOps(), t, kind, a, b, group, w);
+    std::vector<RowOpsResult> got;
+    for (const auto& [name, ops] : simd) {
+      got.push_back(RunRowOps(*ops, t, kind, a, b, group, w));
+      const RowOpsResult& g = got.back();
+      const char* bad = !SameBits(StoredFloats(g.stored, t), StoredFloats(want.stored, t))
+                            ? "store"
+                        : !SameBits(g.loaded, want.loaded)       ? "load"
+                        : !SameBits(g.scaled, want.scaled)       ? "scale_round"
+                        : !SameBits(g.accumulated, want.accumulated) ? "accumulate"
+                        : g.q != want.q || g.sum8 != want.sum8 || g.zero_points != want.zero_points ||
+                                  !SameBits(g.scales, want.scales)
+                            ? "quantize"
+                        : !ActivationsAgree(g.activated, want.activated, t) ? "activate"
+                                                                      : nullptr;
+      ++cases;
+      if (bad) {
+        ++failures;
+        std::printf("FAIL row ops %s: %s (n=%lld variant %d)\n", name, bad,
+                    static_cast<long long>(n), variant);
+      }
+    }
+    if (got.size() == 2) {
+      ++cross;
+      if (!SameBits(got[0].activated, got[1].activated)) {
+        ++failures;
+        std::printf("FAIL row ops avx2 vs avx512: activate (n=%lld variant %d)\n",
+                    static_cast<long long>(n), variant);
+      }
+    }
+  }
+  std::printf("%s row ops: %lld cases against portable, %lld avx2 against avx512 (bit-exact)\n",
+              failures ? "FAIL" : "ok", static_cast<long long>(cases),
+              static_cast<long long>(cross));
+  return failures;
+}
 
 // ------------------------------------------------------------------ packed weights
 
@@ -527,7 +691,7 @@ int main() {
   std::vector<Tally> tallies(isas.size());
   CheckGemms(isas, tallies);
   CheckMoe(isas, tallies);
-  int64_t failures = 0;
+  int64_t failures = CheckRowOps(isas);
 #if defined(JAX_MOEQ_AMX_EMULATED)
   // The AMX loops on tests/native/amx_emulation.h's scalar tiles, where the CPU has none.
   failures += CheckAmxAgainstVnni();
