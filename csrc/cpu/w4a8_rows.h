@@ -1,9 +1,9 @@
 // Row-wise stages of the W4A8 MoE around the GEMMs: dtype rounding, gated
 // activation, int8 activation quantization (SPEC §3), weighted accumulation.
-// A portable version, an AVX2 one and an AVX-512 one; they give the same int8
-// values (same float32 operations in the same order, no contraction; the SIMD
-// versions share one exp polynomial, so AVX2 and AVX-512 agree bit for bit),
-// and row lengths are always multiples of 16.
+// A portable version and SIMD ones (w4a8_rows_simd.h, for AVX2 and AVX-512);
+// they give the same int8 values (same float32 operations in the same order,
+// no contraction; the SIMD widths share one exp polynomial, so AVX2 and
+// AVX-512 agree bit for bit), and row lengths are always multiples of 16.
 #pragma once
 
 #include <cstdint>
