@@ -186,6 +186,9 @@ def test_x86_paths_agree_with_portable(tmp_path):
   if vendor:  # the maker that picks the VNNI loop's prefetch plan
     expected = {"GenuineIntel": "intel", "AuthenticAMD": "amd", "HygonGenuine": "amd"}
     assert f"cpu vendor: {expected.get(vendor.group(1), 'other')}" in proc.stdout, proc.stdout
+  family = re.search(r"^cpu family\s*:\s*(\d+)", _read_cpuinfo(), re.MULTILINE)
+  if family:  # CPUID's display family, which picks the AVX2 loop's plan on AMD
+    assert f"cpu family: {family.group(1)}\n" in proc.stdout, proc.stdout
   if {"avx2", "fma"} <= flags:
     assert "avx2" in lines, proc.stdout
     # The SIMD row stages against the portable ones (and AVX2 against AVX-512, bit for bit).

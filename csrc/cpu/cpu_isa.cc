@@ -135,7 +135,23 @@ CpuVendor ReadCpuVendor() {
   return CpuVendor::kOther;
 }
 
+int ReadCpuFamily() {
+#if defined(JAX_MOEQ_X86)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+  const int base = (eax >> 8) & 0xF;
+  return base == 0xF ? base + static_cast<int>((eax >> 20) & 0xFF) : base;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
+
+int DetectedCpuFamily() {
+  static const int family = ReadCpuFamily();
+  return family;
+}
 
 CpuVendor DetectedCpuVendor() {
   static const CpuVendor vendor = ReadCpuVendor();

@@ -29,5 +29,8 @@ bool ParseIsa(const std::string& name, Isa* isa);
 // cores are AMD's). Detected once.
 enum class CpuVendor { kOther = 0, kIntel = 1, kAmd = 2 };
 CpuVendor DetectedCpuVendor();
+// CPUID's display family (base family, plus the extended family when the base is 0xF; AMD:
+// 0x17 Zen to Zen 2, Hygon 0x18, 0x19 Zen 3 and 4, 0x1A Zen 5); 0 off x86. Detected once.
+int DetectedCpuFamily();
 
 }  // namespace jax_moeq::cpu

@@ -28,7 +28,7 @@ struct QuantizedActivations {
 // decode needs each of 16 threads at ~8; the L2 queue holds ~48 lines, so the L2 prefetch sets
 // the rate. On the 16-core Xeon (2026-11-28, T = 1 and 8, three shapes) no other pair or single
 // prefetch was faster by more than the run's spread. AMD: one prefetch a line, into L1 6 KB
-// ahead. On the 2-core EPYC (2026-11-28, Qwen3-30B-A3B, the settings in turn with the DRAM probe
+// ahead. On a 2-core Zen 4 EPYC (2026-11-28, Qwen3-30B-A3B, the settings in turn with the DRAM probe
 // in one process) it streamed 44.6 / 46.4 GB/s at T = 1 / 8 where the Intel pair streamed 42.7 /
 // 45.2 (the VM's slow memory phase), and 56.7 / 64.6 against 48.4 / 54.9 in its fast one. A
 // second prefetch of a line already requested takes a miss buffer of its own.
@@ -39,18 +39,18 @@ struct StreamPrefetch {
 };
 inline constexpr StreamPrefetch kIntelStreamPrefetch{1024, 4096};
 inline constexpr StreamPrefetch kAmdStreamPrefetch{6144, 0};
-// The VNNI loop takes the plan of DetectedCpuVendor() (other makers: Intel's); the AMX loop
-// runs on Intel only.
+// The VNNI loop takes the plan of DetectedCpuVendor() (other makers: Intel's; AMD's CPUs with
+// AVX-512 are Zen 4 and later); the AMX loop runs on Intel only.
 //
 // The AVX2 loop issues ~20 instructions per block against VNNI's ~8, so fewer blocks fit its
-// out-of-order window. It prefetches each line once, into L1: on AMD as the VNNI loop does
-// (2-core EPYC, 2026-11-28, the settings in turn with the probe in one process: 6 KB ahead
-// streamed 47.7 / 49.0 GB/s at T = 1 / 8 in the fast memory phase where 4 KB streamed 45.4 /
-// 47.3, level in the slow phase), elsewhere 4 KB ahead (tuned on that EPYC before the fast phase
-// was seen; no Intel AVX2-only CPU was measured). Earlier on the EPYC: one prefetch a line 4 KB
-// into L1 against 2 KB into L1 plus 4 KB into L2, AVX2 / VNNI time in one process, 3 processes
-// per build: OLMoE T=1 1.10-1.14 -> 1.05-1.08, T=8 1.16-1.20 -> 1.14-1.17; Qwen3-30B-A3B T=1
-// 1.16-1.18 -> 1.12-1.13, T=8 1.17-1.19 -> 1.11-1.12; T = 32 and 128 level.
+// out-of-order window. It prefetches as the VNNI loop does on AMD from Zen 3 on (family 0x19+;
+// 2-core Zen 4 EPYC, 2026-11-28, the settings in turn with the probe in one process: 6 KB ahead
+// into L1 streamed 47.7 / 49.0 GB/s at T = 1 / 8 in the fast memory phase where 4 KB streamed
+// 45.4 / 47.3, level in the slow phase). On Zen 2 and older (family 0x17, Hygon 0x18) it takes
+// Intel's pair: on an AVX2-only Zen 2 EPYC (2026-11-28, Qwen3-30B-A3B, five settings in turn in
+// one process, 173 blocks at each of T = 1 and 8) the pair streamed 1.036 / 1.034x the 6 KB
+// plan (median of the blocks' ratios); 2 KB / 8 KB, 1 KB / 12 KB and 4 KB / 16 KB 1.01-1.03x.
+// Elsewhere (no Intel AVX2-only CPU was measured) one prefetch 4 KB into L1.
 inline constexpr StreamPrefetch kAvx2StreamPrefetch{4096, 0};
 
 #if defined(JAX_MOEQ_X86)

@@ -109,7 +109,10 @@ void Gemm(const W4A8GemmArgs& a) {
 }  // namespace
 
 void W4A8GemmAvx2(const W4A8GemmArgs& a) {
-  if (DetectedCpuVendor() == CpuVendor::kAmd) return Gemm<kAmdStreamPrefetch>(a);
+  if (DetectedCpuVendor() == CpuVendor::kAmd) {
+    if (DetectedCpuFamily() >= 0x19) return Gemm<kAmdStreamPrefetch>(a);
+    return Gemm<kIntelStreamPrefetch>(a);
+  }
   Gemm<kAvx2StreamPrefetch>(a);
 }
 

@@ -688,6 +688,7 @@ int main() {
   std::printf("cpu vendor: %s\n", vendor == CpuVendor::kAmd     ? "amd"
                                    : vendor == CpuVendor::kIntel ? "intel"
                                                                  : "other");
+  std::printf("cpu family: %d\n", DetectedCpuFamily());  // the AVX2 loop's plan on AMD
   std::vector<Tally> tallies(isas.size());
   CheckGemms(isas, tallies);
   CheckMoe(isas, tallies);
