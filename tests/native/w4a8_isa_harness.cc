@@ -68,8 +68,8 @@ class Random {
 // ------------------------------------------------------------------ row stages
 
 // The SIMD row ops (w4a8_rows.h) against the portable ones on rows of mixed magnitudes (with
-// quiet and signaling NaN, infinities, subnormals and values past exp's clamp): load, store, scale_round, quantize
-// and accumulate bit-exact; activate within 8 float32 ulp (exp is a polynomial, within ~2 ulp,
+// quiet and signaling NaN, infinities, subnormals and values past exp's clamp): load, store,
+// scale_round, quantize and accumulate bit-exact; activate within 8 float32 ulp (exp is a polynomial, within ~2 ulp,
 // and one division and two products follow it), or, in bf16 / f16, within one step of the
 // type, since a few float32 ulp can move the rounding to it; AVX2 and AVX-512 bit-exact with
 // each other where both run. Returns the failures.
@@ -136,23 +136,23 @@ bool SameBits(const std::vector<float>& x, const std::vector<float>& y) {
   return true;
 }
 
-std::vector<float> StoredFloats(const std::vector<uint8_t>& bytes, ElementType t) {
+// The bytes of a [n] array of `dtype` as floats.
+std::vector<float> AsFloats(const std::vector<uint8_t>& bytes, ElementType dtype) {
   std::vector<float> v;
-  for (size_t i = 0; i < bytes.size(); i += t == ElementType::kF32 ? 4 : 2) {
-    float f;
-    if (t == ElementType::kF32) {
-      std::memcpy(&f, &bytes[i], 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, &bytes[i], 2);
-      f = t == ElementType::kBF16 ? Bf16ToFloat(h) : F16ToFloat(h);
-    }
-    v.push_back(f);
+  if (dtype == ElementType::kF32) {
+    v.resize(bytes.size() / 4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    return v;
+  }
+  for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
+    uint16_t h;
+    std::memcpy(&h, &bytes[i], 2);
+    v.push_back(dtype == ElementType::kBF16 ? Bf16ToFloat(h) : F16ToFloat(h));
   }
   return v;
 }
 
-// |got - want| <= ulps float32 steps of want, or <= `step` (relative) * |want| + `floor`.
+// |got - want| <= 8 float32 steps of want, or <= `step` (relative) * |want| + `floor`.
 bool ActivationsAgree(const std::vector<float>& got, const std::vector<float>& want,
                       ElementType t) {
   const double step = t == ElementType::kBF16 ? 0x1p-8 : t == ElementType::kF16 ? 0x1p-11 : 0.0;
@@ -196,7 +196,7 @@ int64_t CheckRowOps(const std::vector<Isa>& isas) {
     for (const auto& [name, ops] : simd) {
       got.push_back(RunRowOps(*ops, t, kind, a, b, group, w));
       const RowOpsResult& g = got.back();
-      const char* bad = !SameBits(StoredFloats(g.stored, t), StoredFloats(want.stored, t))
+      const char* bad = !SameBits(AsFloats(g.stored, t), AsFloats(want.stored, t))
                             ? "store"
                         : !SameBits(g.loaded, want.loaded)       ? "load"
                         : !SameBits(g.scaled, want.scaled)       ? "scale_round"
@@ -563,21 +563,6 @@ std::vector<uint8_t> RunMoe(Isa isa, const MoeCase& c, const MoeInputs& in, std:
   };
   if (error->empty()) *error = RunW4A8Moe(p, isa, serial);
   return out;
-}
-
-std::vector<float> AsFloats(const std::vector<uint8_t>& bytes, ElementType dtype) {
-  std::vector<float> v;
-  if (dtype == ElementType::kF32) {
-    v.resize(bytes.size() / 4);
-    std::memcpy(v.data(), bytes.data(), bytes.size());
-    return v;
-  }
-  for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
-    uint16_t h;
-    std::memcpy(&h, &bytes[i], 2);
-    v.push_back(dtype == ElementType::kBF16 ? Bf16ToFloat(h) : F16ToFloat(h));
-  }
-  return v;
 }
 
 // x86 paths: GEMM1's FMA epilogue can move an activation across an int8 rounding boundary
