@@ -272,11 +272,12 @@ int main() {
     if (error.empty()) error = ValidateW4A8MoeShapes(p, W4A8PackedBytes(2 * I, H, G),
                                                      W4A8PackedBytes(H, I, G));
     // A ParallelFor that runs pieces on two threads of its own, as XLA's pool would.
-    ParallelFor parallel_for = [](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
-      std::thread helper([&] { body(0, n / 2); });
-      body(n / 2, n);
-      helper.join();
-    };
+    ParallelFor parallel_for{[](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+                               std::thread helper([&] { body(0, n / 2); });
+                               body(n / 2, n);
+                               helper.join();
+                             },
+                             2};
     if (error.empty()) error = RunW4A8Moe(p, isa, parallel_for);
     return error;
   };

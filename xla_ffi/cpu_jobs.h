@@ -149,8 +149,8 @@ template <typename Pool>
 cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us) {
   const int64_t threads = std::max<int64_t>(1, workers);
   const int64_t spin_ns = spin_us * 1000;
-  return [pool, threads, spin_ns](int64_t n,
-                                  const std::function<void(int64_t, int64_t)>& body) mutable {
+  auto run = [pool, threads, spin_ns](int64_t n,
+                                      const std::function<void(int64_t, int64_t)>& body) mutable {
     if (n <= 0) return;
     const int64_t workers = std::min(threads, n);
     if (workers <= 1) {
@@ -160,7 +160,8 @@ cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us) {
     // Chunks are handed out dynamically; the caller works too and then waits only for chunks
     // already taken (and seated workers), so a busy pool can never deadlock it.
     Job& job = Job::OfThisThread();
-    const uint64_t gen = job.Start(n, std::min<int64_t>(n, workers * 16), workers, &body);
+    const uint64_t gen =
+        job.Start(n, std::min<int64_t>(n, workers * cpu::kPiecesPerThread), workers, &body);
     JobBoard& board = JobBoard::Get();
     int64_t spinning = 0;
     if (spin_ns > 0) {
@@ -177,6 +178,7 @@ cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us) {
     if (spin_ns > 0) board.Unpost(&job);
     job.Finish();
   };
+  return cpu::ParallelFor{run, threads};
 }
 
 }  // namespace jax_moeq::ffi_cpu

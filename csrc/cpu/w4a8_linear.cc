@@ -65,7 +65,7 @@ void RunChunk(const W4A8LinearProblem& p, Isa isa, const ParallelFor& parallel_f
   float* y = direct ? static_cast<float*>(p.out) : Grow(sc.y, M * N, &bytes);
   const size_t out_bytes = ElementBytes(p.dtype);
   const int64_t tiles = N / kTileRows;
-  const int64_t per_item = TilesPerGemmItem(tiles, 1);
+  const int64_t per_item = TilesPerGemmItem(tiles, 1, parallel_for.threads);
   const int64_t items = (tiles + per_item - 1) / per_item;
   const QuantizedActivations act{q, scale, zero_point, sum8};
   parallel_for(items, [&](int64_t begin, int64_t end) {

@@ -174,13 +174,14 @@ struct GemmItem {
 };
 
 // Work items of (expert, range of 16-row tiles), TilesPerGemmItem tiles each.
-std::vector<GemmItem> MakeGemmItems(const std::vector<int32_t>& counts, int64_t n) {
+std::vector<GemmItem> MakeGemmItems(const std::vector<int32_t>& counts, int64_t n,
+                                    int64_t threads) {
   const int64_t tiles = n / kTileRows;
   int64_t active = 0;
   for (int32_t c : counts) active += c > 0;
   std::vector<GemmItem> items;
   if (active == 0) return items;
-  const int64_t chunk = TilesPerGemmItem(tiles, active);
+  const int64_t chunk = TilesPerGemmItem(tiles, active, threads);
   for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
     if (counts[e] == 0) continue;
     for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
@@ -372,8 +373,8 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
       ops.quantize(act.data(), I, shape2.group, q2 + r * I, s2 + r, zp2 + r, sum2 + r * g2);
     }
   };
-  const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I);
-  const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H);
+  const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I, parallel_for.threads);
+  const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H, parallel_for.threads);
   const GemmPass pass13{p.w13_packed, shape13.total_bytes(), shape13,
                         QuantizedActivations{q1, s1, zp1, sum1}, rows1, y13};
   const GemmPass pass2{p.w2_packed, shape2.total_bytes(), shape2,

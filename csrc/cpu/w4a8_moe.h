@@ -33,10 +33,20 @@ struct W4A8MoeProblem {
   ActivationKind activation;
 };
 
-// Runs body(begin, end) over [0, n) split into pieces, possibly in parallel,
-// and returns when every piece is done. Pieces start in index order (a piece
-// may wait for work of earlier pieces: RunW4A8Moe's GEMM2 items do).
-using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)>;
+// Pieces per thread a ParallelFor cuts its range into (at most).
+inline constexpr int64_t kPiecesPerThread = 16;
+
+// run(n, body) runs body(begin, end) over [0, n) split into pieces, possibly in parallel, and
+// returns when every piece is done. Pieces start in index order (a piece may wait for work of
+// earlier pieces: RunW4A8Moe's GEMM2 items do). `threads`: the most threads it runs pieces on
+// at once (the ops size their work items by it, kPiecesPerThread a thread).
+struct ParallelFor {
+  std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)> run;
+  int64_t threads = 1;
+  void operator()(int64_t n, const std::function<void(int64_t, int64_t)>& body) const {
+    run(n, body);
+  }
+};
 
 // Largest hidden / intermediate size: a GEMM's int32 dot products over a
 // channel-wise group of K <= 2^20 inputs stay below 2^31 (1920 K).

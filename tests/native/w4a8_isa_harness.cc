@@ -558,9 +558,10 @@ std::vector<uint8_t> RunMoe(Isa isa, const MoeCase& c, const MoeInputs& in, std:
   p.apply_router_weight_on_input = c.weight_on_input;
   p.activation = c.activation;
   *error = ValidateW4A8MoeShapes(p, in.w13.size() / in.experts, in.w2.size() / in.experts);
-  const ParallelFor serial = [](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
-    body(0, n);
-  };
+  const ParallelFor serial{[](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+                             body(0, n);
+                           },
+                           1};
   if (error->empty()) *error = RunW4A8Moe(p, isa, serial);
   return out;
 }
