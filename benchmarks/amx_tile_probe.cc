@@ -88,19 +88,50 @@ int64_t DotsOnly(Buffers& b, int64_t iters) {
   return 4 * iters;
 }
 
+// One step of 2 x 2: A tiles at a and a + 1 KB, B tiles at b and b + 1 KB, four products on C
+// tiles 0-3.
+inline void TwoByTwoStep(const int8_t* a, const uint8_t* b) {
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a + 1024, 64);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b + 1024, 64);
+  _tile_dpbsud(0, 4, 6);
+  _tile_dpbsud(1, 4, 7);
+  _tile_dpbsud(2, 5, 6);
+  _tile_dpbsud(3, 5, 7);
+}
+
+// Step i of 2 x 2 from L1 (the halves of 4 KB, alternating).
+inline void TwoByTwoStepL1(const Buffers& b, int64_t i) {
+  const int64_t o = (i & 1) * 2048;
+  TwoByTwoStep(b.a_l1.data() + o, b.b_l1.data() + o);
+}
+
+inline void ZeroCTiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+inline void StoreCTiles(int32_t* c) {
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
+}
+
+// The promotion of `rows` rows of 16 int32 sums: converted, scaled and added into float rows.
+inline void PromoteRows(const int32_t* c, float* acc, int rows, __m512 scale) {
+  for (int r = 0; r < rows; ++r) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
+    _mm512_storeu_ps(acc + r * 16, _mm512_fmadd_ps(f, scale, _mm512_loadu_ps(acc + r * 16)));
+  }
+}
+
 // 2 x 2: two A and two B tiles loaded from L1 per four products.
 int64_t TwoByTwoL1(Buffers& b, int64_t iters) {
-  for (int64_t i = 0; i < iters; ++i) {
-    const int64_t o = (i & 1) * 2048;
-    _tile_loadd(4, b.a_l1.data() + o, 64);
-    _tile_loadd(5, b.a_l1.data() + o + 1024, 64);
-    _tile_loadd(6, b.b_l1.data() + o, 64);
-    _tile_loadd(7, b.b_l1.data() + o + 1024, 64);
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(1, 4, 7);
-    _tile_dpbsud(2, 5, 6);
-    _tile_dpbsud(3, 5, 7);
-  }
+  for (int64_t i = 0; i < iters; ++i) TwoByTwoStepL1(b, i);
   return 4 * iters;
 }
 
@@ -108,16 +139,7 @@ int64_t TwoByTwoL1(Buffers& b, int64_t iters) {
 int64_t TwoByTwoAL2(Buffers& b, int64_t iters) {
   const int64_t wrap = (256 << 10) / 2048;
   for (int64_t i = 0; i < iters; ++i) {
-    const int8_t* a = b.a_l2.data() + (i % wrap) * 2048;
-    const int64_t o = (i & 3) * 2048;
-    _tile_loadd(4, a, 64);
-    _tile_loadd(5, a + 1024, 64);
-    _tile_loadd(6, b.b_l1.data() + o, 64);
-    _tile_loadd(7, b.b_l1.data() + o + 1024, 64);
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(1, 4, 7);
-    _tile_dpbsud(2, 5, 6);
-    _tile_dpbsud(3, 5, 7);
+    TwoByTwoStep(b.a_l2.data() + (i % wrap) * 2048, b.b_l1.data() + (i & 3) * 2048);
   }
   return 4 * iters;
 }
@@ -178,34 +200,11 @@ template <bool kPromote>
 int64_t TwoByTwoGroups(Buffers& b, int64_t iters) {
   const __m512 scale = _mm512_set1_ps(0.5f);
   for (int64_t i = 0; i < iters; ++i) {
-    if ((i & 1) == 0) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-    const int64_t o = (i & 1) * 2048;
-    _tile_loadd(4, b.a_l1.data() + o, 64);
-    _tile_loadd(5, b.a_l1.data() + o + 1024, 64);
-    _tile_loadd(6, b.b_l1.data() + o, 64);
-    _tile_loadd(7, b.b_l1.data() + o + 1024, 64);
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(1, 4, 7);
-    _tile_dpbsud(2, 5, 6);
-    _tile_dpbsud(3, 5, 7);
+    if ((i & 1) == 0) ZeroCTiles();
+    TwoByTwoStepL1(b, i);
     if ((i & 1) == 1) {
-      int32_t* c = b.c.data();
-      _tile_stored(0, c, 64);
-      _tile_stored(1, c + 256, 64);
-      _tile_stored(2, c + 512, 64);
-      _tile_stored(3, c + 768, 64);
-      if (kPromote) {
-        for (int r = 0; r < 64; ++r) {
-          float* dst = b.acc.data() + (r & 63) * 16;
-          const __m512 f = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
-          _mm512_storeu_ps(dst, _mm512_fmadd_ps(f, scale, _mm512_loadu_ps(dst)));
-        }
-      }
+      StoreCTiles(b.c.data());
+      if (kPromote) PromoteRows(b.c.data(), b.acc.data(), 64, scale);
     }
   }
   return 4 * iters;
@@ -216,14 +215,9 @@ int64_t TwoByTwoGroups(Buffers& b, int64_t iters) {
 // promotion alone would let the products run.
 int64_t PromoteOnly(Buffers& b, int64_t iters) {
   const __m512 scale = _mm512_set1_ps(0.5f);
-  int32_t* c = b.c.data();
   for (int64_t i = 0; i < iters; ++i) {
     const int r0 = (i & 1) * 32;
-    for (int r = r0; r < r0 + 32; ++r) {
-      float* dst = b.acc.data() + r * 16;
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
-      _mm512_storeu_ps(dst, _mm512_fmadd_ps(f, scale, _mm512_loadu_ps(dst)));
-    }
+    PromoteRows(b.c.data() + r0 * 16, b.acc.data() + r0 * 16, 32, scale);
     asm volatile("" ::: "memory");
   }
   return 4 * iters;
@@ -235,33 +229,12 @@ int64_t TwoByTwoPromoteBehind(Buffers& b, int64_t iters) {
   const __m512 scale = _mm512_set1_ps(0.5f);
   static thread_local std::vector<int32_t> c2(2048);
   for (int64_t i = 0; i < iters; ++i) {
-    if ((i & 1) == 0) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-    const int64_t o = (i & 1) * 2048;
-    _tile_loadd(4, b.a_l1.data() + o, 64);
-    _tile_loadd(5, b.a_l1.data() + o + 1024, 64);
-    _tile_loadd(6, b.b_l1.data() + o, 64);
-    _tile_loadd(7, b.b_l1.data() + o + 1024, 64);
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(1, 4, 7);
-    _tile_dpbsud(2, 5, 6);
-    _tile_dpbsud(3, 5, 7);
+    if ((i & 1) == 0) ZeroCTiles();
+    TwoByTwoStepL1(b, i);
     if ((i & 1) == 1) {
-      int32_t* store = c2.data() + ((i >> 1) & 1) * 1024;
-      const int32_t* behind = c2.data() + (((i >> 1) & 1) ^ 1) * 1024;
-      _tile_stored(0, store, 64);
-      _tile_stored(1, store + 256, 64);
-      _tile_stored(2, store + 512, 64);
-      _tile_stored(3, store + 768, 64);
-      for (int r = 0; r < 64; ++r) {
-        float* dst = b.acc.data() + r * 16;
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_loadu_si512(behind + r * 16));
-        _mm512_storeu_ps(dst, _mm512_fmadd_ps(f, scale, _mm512_loadu_ps(dst)));
-      }
+      const int64_t half = (i >> 1) & 1;
+      StoreCTiles(c2.data() + half * 1024);
+      PromoteRows(c2.data() + (half ^ 1) * 1024, b.acc.data(), 64, scale);
     }
   }
   return 4 * iters;
@@ -272,13 +245,6 @@ int64_t TwoByTwoPromoteBehind(Buffers& b, int64_t iters) {
 int64_t OneByTwoTwoSets(Buffers& b, int64_t iters) {
   const __m512 scale = _mm512_set1_ps(0.5f);
   int32_t* c = b.c.data();
-  auto promote = [&](int64_t row0) {
-    for (int r = 0; r < 32; ++r) {
-      float* dst = b.acc.data() + (row0 + r) * 16;
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
-      _mm512_storeu_ps(dst, _mm512_fmadd_ps(f, scale, _mm512_loadu_ps(dst)));
-    }
-  };
   // Each step: one group (two chunks) of 1 x 2 on one set, four products.
   for (int64_t i = 0; i < iters; ++i) {
     const bool x = (i & 1) == 0;
@@ -304,7 +270,7 @@ int64_t OneByTwoTwoSets(Buffers& b, int64_t iters) {
       _tile_stored(0, c, 64);
       _tile_stored(1, c + 256, 64);
     }
-    promote(x ? 0 : 32);
+    PromoteRows(c, b.acc.data() + (x ? 0 : 32) * 16, 32, scale);
   }
   return 4 * iters;
 }
