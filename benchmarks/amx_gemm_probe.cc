@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/amx_tile_config.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/w4a8_gemm.h"
 
@@ -22,12 +23,6 @@ namespace {
 
 constexpr int64_t kTileM = 16;
 constexpr int64_t kItemTiles = 32;  // OLMoE's GEMM1 items at T >= 128 (w4a8_work.h)
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Output tile nt of every row from its float accumulators (row_corr, zero point, scale, bias).
 void StoreTile(const W4A8GemmArgs& a, int64_t nt, const float* acc) {

@@ -14,25 +14,15 @@
 #include <thread>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu/amx_tile_config.h"
+#include "cpu/cpu_isa.h"
+
+using jax_moeq::cpu::Isa;
+using jax_moeq::cpu::TileConfig;
 
 namespace {
 
 constexpr int64_t kMacsPerDot = 16 * 16 * 64;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool RequestAmx() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 void Configure() {
   TileConfig cfg;
@@ -303,8 +293,11 @@ double Rate(Variant v, int threads, int64_t iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!RequestAmx()) {
-    std::printf("the kernel refused AMX tile data (arch_prctl)\n");
+  // AvailableIsas: CPUID, the OS's tile state and this process's grant of it (cpu_isa.cc).
+  bool amx = false;
+  for (Isa isa : jax_moeq::cpu::AvailableIsas()) amx |= isa == Isa::kAmxInt8;
+  if (!amx) {
+    std::printf("no usable AMX-INT8 on this machine\n");
     return 1;
   }
   const int max_threads = argc > 1 ? std::atoi(argv[1]) : 16;

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/amx_tile_config.h"
 #include "cpu/w4a8_gemm.h"
 
 namespace jax_moeq::cpu {
@@ -25,14 +26,6 @@ constexpr int64_t kChunkInputs = 64; // most inputs per TDPBSUD (16 B rows of 4)
 constexpr int kRowTiles = 4;         // C tiles tmm0..3: up to 64 rows share one B tile load
 
 // tmm0-3: C (int32 sums) of up to four 16-row blocks; tmm4: A; tmm6: B.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 void ConfigureTiles(int64_t chunk_inputs) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));

@@ -69,10 +69,10 @@ class Random {
 
 // The SIMD row ops (w4a8_rows.h) against the portable ones on rows of mixed magnitudes (with
 // quiet and signaling NaN, infinities, subnormals and values past exp's clamp): load, store,
-// scale_round, quantize and accumulate bit-exact; activate within 8 float32 ulp (exp is a polynomial, within ~2 ulp,
-// and one division and two products follow it), or, in bf16 / f16, within one step of the
-// type, since a few float32 ulp can move the rounding to it; AVX2 and AVX-512 bit-exact with
-// each other where both run. Returns the failures.
+// scale_round, quantize and accumulate bit-exact; activate within 8 float32 ulp (exp is a
+// polynomial, within ~2 ulp, and one division and two products follow it), or, in bf16 / f16,
+// within one step of the type, since a few float32 ulp can move the rounding to it; AVX2 and
+// AVX-512 bit-exact with each other where both run. Returns the failures.
 struct RowOpsResult {
   std::vector<uint8_t> stored;
   std::vector<float> loaded, scaled, activated, accumulated, scales;
