@@ -354,9 +354,11 @@ def test_cpu_kernel_from_16_threads_under_thread_sanitizer(tmp_path):
 
 _JOBS_HARNESS = r"""
 // xla_ffi/cpu_jobs.h's ParallelFor on a pool of its own threads, as XLA's is: 4 callers at once,
-// 400 calls each of 1-300 pieces, workers spinning for later calls on every other call. Every
-// index must run exactly once per call, and ThreadSanitizer must see no race (a worker of an old
-// call touching a job that its thread has restarted, a body run after its call returned).
+// 400 calls each of 1-300 indices, workers spinning for later calls on every other call. Every
+// index must run exactly once per call, in pieces none empty and within one index of each other,
+// and ThreadSanitizer must see no race (a worker of an old call touching a job that its thread has
+// restarted, a body run after its call returned).
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -427,17 +429,26 @@ int main() {
             jax_moeq::ffi_cpu::MakeParallelFor(PoolRef{&pool}, 5, spin_us);
         const int64_t n = 1 + (call * 37 + c * 11) % 300;
         std::vector<int> runs(n, 0);  // plain ints: two runs of one index would race
+        std::mutex sizes_mutex;
+        std::vector<int64_t> sizes;
         parallel_for(n, [&](int64_t begin, int64_t end) {
           for (int64_t i = begin; i < end; ++i) runs[i] += 1;
+          std::lock_guard<std::mutex> lock(sizes_mutex);
+          sizes.push_back(end - begin);
         });
         for (int64_t i = 0; i < n; ++i) failures[c] += runs[i] != 1;
+        // Pieces: none empty, sizes within one of each other, at most kPiecesPerThread a thread.
+        const auto [smallest, largest] = std::minmax_element(sizes.begin(), sizes.end());
+        failures[c] += *smallest < 1 || *largest - *smallest > 1 ||
+                       static_cast<int64_t>(sizes.size()) > 5 * jax_moeq::cpu::kPiecesPerThread;
       }
     });
   }
   for (auto& t : callers) t.join();
   for (int c = 0; c < kCallers; ++c) {
     if (failures[c]) {
-      std::printf("caller %d: %d indices not run exactly once\n", c, failures[c]);
+      std::printf("caller %d: %d failures (an index not run exactly once, uneven pieces)\n", c,
+                  failures[c]);
       return 1;
     }
   }
@@ -453,7 +464,8 @@ int main() {
 def test_parallel_for_with_spinning_workers_under_thread_sanitizer(tmp_path):
   """The handlers' ParallelFor (xla_ffi/cpu_jobs.h: seats per call generation, workers that wait
   for later calls with JAX_MOEQ_CPU_SPIN_US) under ThreadSanitizer, on a pool of its own: 4
-  callers at once, 400 calls each; every index runs once per call and no race is reported."""
+  callers at once, 400 calls each; every index runs once per call, in pieces none empty and
+  within one index of each other, and no race is reported."""
   cxx = _cxx()
   (tmp_path / "jobs.cc").write_text(_JOBS_HARNESS)
   exe = tmp_path / "jobs"

@@ -47,7 +47,6 @@ class Job {
                  const std::function<void(int64_t, int64_t)>* body) {
     n_ = n;
     chunks_ = chunks;
-    grain_ = (n + chunks - 1) / chunks;
     workers_.store(workers, std::memory_order_relaxed);
     body_ = body;
     next_.store(0, std::memory_order_relaxed);
@@ -76,7 +75,10 @@ class Job {
     for (;;) {
       const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks_) break;
-      (*body_)(c * grain_, std::min(n_, (c + 1) * grain_));
+      // Piece c is [c n / chunks, (c + 1) n / chunks): sizes differ by one at most and none is
+      // empty (chunks <= n). A rounded-up grain left the last pieces empty: 408 items in 256
+      // pieces of 2 ran 204 pieces of work and 52 of nothing (DeepSeek-V2-Lite T = 1, 16 threads).
+      (*body_)(c * n_ / chunks_, (c + 1) * n_ / chunks_);
       done_.fetch_add(1, std::memory_order_release);
     }
   }
@@ -94,7 +96,7 @@ class Job {
  private:
   static constexpr int kSeatBits = 20;
   static constexpr uint64_t kSeatMask = (uint64_t{1} << kSeatBits) - 1;
-  int64_t n_ = 0, chunks_ = 0, grain_ = 1;  // read only by seated threads (after Join)
+  int64_t n_ = 0, chunks_ = 0;  // read only by seated threads (after Join)
   std::atomic<int64_t> workers_{0};
   const std::function<void(int64_t, int64_t)>* body_ = nullptr;
   std::atomic<int64_t> next_{0}, done_{0}, left_{0};
