@@ -42,11 +42,12 @@ class Job {
     return *job;
   }
 
-  // Starts a call (the caller holds the first seat) and returns its generation.
+  // Starts a call over [0, n) in at most `chunks` pieces (the caller holds the first seat) and
+  // returns its generation.
   uint64_t Start(int64_t n, int64_t chunks, int64_t workers,
                  const std::function<void(int64_t, int64_t)>* body) {
     n_ = n;
-    chunks_ = chunks;
+    chunks_ = std::clamp<int64_t>(chunks, 1, n);  // no more pieces than indices: none empty
     workers_.store(workers, std::memory_order_relaxed);
     body_ = body;
     next_.store(0, std::memory_order_relaxed);
@@ -76,8 +77,9 @@ class Job {
       const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks_) break;
       // Piece c is [c n / chunks, (c + 1) n / chunks): sizes differ by one at most and none is
-      // empty (chunks <= n). A rounded-up grain left the last pieces empty: 408 items in 256
-      // pieces of 2 ran 204 pieces of work and 52 of nothing (DeepSeek-V2-Lite T = 1, 16 threads).
+      // empty (Start keeps chunks <= n). A rounded-up grain left the last pieces empty: 408
+      // items in 256 pieces of 2 ran 204 pieces of work and 52 of nothing (DeepSeek-V2-Lite
+      // T = 1, 16 threads).
       (*body_)(c * n_ / chunks_, (c + 1) * n_ / chunks_);
       done_.fetch_add(1, std::memory_order_release);
     }
@@ -162,8 +164,7 @@ cpu::ParallelFor MakeParallelFor(Pool pool, int64_t workers, int64_t spin_us) {
     // Chunks are handed out dynamically; the caller works too and then waits only for chunks
     // already taken (and seated workers), so a busy pool can never deadlock it.
     Job& job = Job::OfThisThread();
-    const uint64_t gen =
-        job.Start(n, std::min<int64_t>(n, workers * cpu::kPiecesPerThread), workers, &body);
+    const uint64_t gen = job.Start(n, workers * cpu::kPiecesPerThread, workers, &body);
     JobBoard& board = JobBoard::Get();
     int64_t spinning = 0;
     if (spin_ns > 0) {
