@@ -173,15 +173,16 @@ struct GemmItem {
   int64_t tile_end;
 };
 
-// Work items of (expert, range of 16-row tiles), TilesPerGemmItem tiles each.
+// Work items of (expert, range of 16-row tiles), TilesPerGemmItem tiles each. `passes`: how
+// many GEMM passes share one ParallelFor (2 in the decode region).
 std::vector<GemmItem> MakeGemmItems(const std::vector<int32_t>& counts, int64_t n,
-                                    int64_t threads) {
+                                    int64_t threads, int64_t passes) {
   const int64_t tiles = n / kTileRows;
   int64_t active = 0;
   for (int32_t c : counts) active += c > 0;
   std::vector<GemmItem> items;
   if (active == 0) return items;
-  const int64_t chunk = TilesPerGemmItem(tiles, active, threads);
+  const int64_t chunk = TilesPerGemmItem(tiles, active * passes, threads);
   for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
     if (counts[e] == 0) continue;
     for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
@@ -373,8 +374,13 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
       ops.quantize(act.data(), I, shape2.group, q2 + r * I, s2 + r, zp2 + r, sum2 + r * g2);
     }
   };
-  const std::vector<GemmItem> items13 = MakeGemmItems(sc.counts, 2 * I, parallel_for.threads);
-  const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H, parallel_for.threads);
+  // Decode-sized calls run both GEMMs in one region (RunExperts), whose ParallelFor takes both
+  // passes' items: sized together, a piece is one item.
+  const bool one_region = routed <= kFusedExpertsMaxPairs && routed > 0;
+  const int64_t passes = one_region ? 2 : 1;
+  const std::vector<GemmItem> items13 =
+      MakeGemmItems(sc.counts, 2 * I, parallel_for.threads, passes);
+  const std::vector<GemmItem> items2 = MakeGemmItems(sc.counts, H, parallel_for.threads, passes);
   const GemmPass pass13{p.w13_packed, shape13.total_bytes(), shape13,
                         QuantizedActivations{q1, s1, zp1, sum1}, rows1, y13};
   const GemmPass pass2{p.w2_packed, shape2.total_bytes(), shape2,
@@ -404,7 +410,7 @@ void RunChunk(const W4A8MoeProblem& p, Isa isa, const ParallelFor& parallel_for)
     }
   };
   // (With no routed pair there is no GEMM2 item to run the combine: the stages write zeros.)
-  if (routed <= kFusedExpertsMaxPairs && routed > 0) {
+  if (one_region) {
     RunExperts(isa, items13, items2, pass13, pass2, sc.counts, sc.offsets, activate,
                [&](int64_t col_begin, int64_t col_end) {
                  combine_tokens(0, T, col_begin, col_end);

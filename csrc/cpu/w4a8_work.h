@@ -88,7 +88,10 @@ inline constexpr int64_t kInlineStageElements = 16384;
 // other (64 items left threads idle for a quarter of GEMM1 at T=1 on 16 cores, Xeon,
 // 2026-11-25). That is an item per ParallelFor piece: smaller items only split a piece into
 // more GEMM calls and column ranges (2-core Zen 2, T = 1, 16 layers a call: 32 items on 2
-// threads streamed 1.2-3.1 % more than 256, 2026-11-28).
+// threads streamed 1.2-3.1 % more than 256, 2026-11-28). `gemms` counts every GEMM whose items
+// share one ParallelFor: the decode region's two passes count both (they were sized as if each
+// had the ParallelFor alone, two items a piece: 16-core Xeon, T = 1, 2-5 % slower; T = 8 level;
+// 2026-11-29).
 inline int64_t TilesPerGemmItem(int64_t tiles, int64_t gemms, int64_t threads) {
   const int64_t items = std::max<int64_t>(1, threads) * kPiecesPerThread;
   const int64_t per_gemm = std::max<int64_t>(1, items / std::max<int64_t>(1, gemms));
