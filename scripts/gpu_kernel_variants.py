@@ -384,6 +384,12 @@ VARIANTS = {
     "wna16_decode_foreign_ids": Wna16Case(t=1, foreign_ids=True, mainloop="registers"),
     # Aligned path, every mma.sync block_m and main loop.
     "wna16_aligned_bm8_registers": Wna16Case(t=3, block_m=8, mainloop="registers"),
+    # The running-address loops past a stage's end: 5 and 3 chunks (registers: stages of 4), and
+    # 5 and 3 in the async ring's depth of 5.
+    "wna16_aligned_bm8_registers_tail": Wna16Case(t=5, h=320, i=192, group=64, zeros=True,
+                                                  bias=True, block_m=8, mainloop="registers"),
+    "wna16_aligned_bm8_async_ring_tail": Wna16Case(t=5, h=320, i=192, group=-1, block_m=8,
+                                                   mainloop="async_ring"),
     "wna16_aligned_bm16_async_ring": Wna16Case(t=5, block_m=16, mainloop="async_ring",
                                                dtype="float16", zeros=True, bias=True,
                                                activation=1),
@@ -444,6 +450,7 @@ VARIANTS = {
     "mxint4_aligned_split": MxInt4Case(t=2, h=1024, i=1024, block_m=8, expect_split13=True,
                                        expect_split2=True),
     "mxint4_bm32": MxInt4Case(t=64, e=8, k=2, block_m=32),
+    "mxint4_async_ring_tail": MxInt4Case(t=9, h=320, i=192, block_m=8, mainloop="async_ring"),
     "mxint4_wgmma": MxInt4Case(t=256, e=8, k=2, block_m=128),
     "mxint4_wgmma_ep": MxInt4Case(t=256, e=8, k=4, local=4, ep_rank=1, block_m=128,
                                   method=int(RM.DeepSeekV3)),

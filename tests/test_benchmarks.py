@@ -206,6 +206,19 @@ def test_gpu_moe_bench_alternative_launch(monkeypatch):
   assert gb.alternative(parse(["--alt-kw", kw]), default) == (dict(mainloop="wgmma_ws"), kw)
 
 
+def test_gpu_launch_ab_launch_names(monkeypatch):
+  # benchmarks/gpu_launch_ab.py: "auto" is the op's own choice, a main loop's name that loop at
+  # block_m 8; anything else is refused before any GPU work.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import gpu_launch_ab as ab  # pylint: disable=import-outside-toplevel
+  assert ab.launch_kwargs("auto") == {}
+  assert ab.launch_kwargs("async_ring") == dict(block_m=8, mainloop="async_ring")
+  with pytest.raises(ValueError, match="mainloop must be one of"):
+    ab.launch_kwargs("registers_fast")
+  with pytest.raises(ValueError, match="block_m"):
+    ab.launch_kwargs("wgmma")
+
+
 def test_sass_source_summary_sums_an_ncu_source_export(monkeypatch, tmp_path, capsys):
   # benchmarks/sass_source_summary.py over an export in ncu's CSV form (lines before the header,
   # thousands separators, predicated instructions).

@@ -156,6 +156,25 @@ def test_bf16_router_logits():
   assert _rel(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("block_m", [8, 16])
+@pytest.mark.parametrize("name,e,k,h,i,t", [
+    ("Qwen3-30B-A3B", 128, 8, 2048, 768, 16), ("DeepSeek-V2-Lite", 64, 6, 2048, 1408, 9)])
+def test_async_ring_and_registers_same_bits(name, e, k, h, i, t, block_m, monkeypatch):
+  """Without split-K (deterministic mode) the async ring (MxInt4's main loop at block_m <= 16) and
+  the register loop compute each output element in one warp in the same order: the same bits."""
+  monkeypatch.setenv("JAX_MOEQ_DETERMINISTIC", "1")
+  prepared, canon = _experts(t + e, e, h, i)
+  x, logits, _ = _inputs(t + 2, t, e, h)
+  ring, _, _ = _run_poisoned(prepared, x, logits, f"{name}: ", e=e, k=k, i=i,
+                             routing_method=RM.Renormalize, block_m=block_m,
+                             mainloop="async_ring")
+  assert _rel(ring, _reference(canon, x, logits, e=e, k=k,
+                               routing_method=RM.Renormalize)) <= TOL
+  registers, _, _ = _run(prepared, x, logits, e=e, k=k, i=i, routing_method=RM.Renormalize,
+                         block_m=block_m, mainloop="registers")
+  np.testing.assert_array_equal(np.asarray(ring), np.asarray(registers))
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_expert_parallel_ranks_sum_to_full(ranks):
   e, k, h, i, t = 64, 6, 256, 128, 50

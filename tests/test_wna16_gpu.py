@@ -255,6 +255,31 @@ def test_other_mainloops(case, mainloop):
   assert _rel(got, registers.astype(jnp.float32)) <= 1e-2
 
 
+# Without split-K (deterministic mode) the register loop and the async ring compute each output
+# element in one warp, chunk by chunk in the same order, with the same arithmetic: the same bits.
+# Both keep their addresses running (a stage's reads at fixed offsets, a group counter), so this
+# also checks the tails (22 chunks: not a multiple of a stage), the groups and the zero points.
+BITS_CASES = [
+    (5, 8, 2, 1024, 256, 128, jnp.bfloat16, False, True, True, 0),
+    (16, 64, 8, 256, 1024, 64, jnp.bfloat16, False, False, True, 1),
+    (9, 12, 6, 2048, 1408, 64, jnp.float16, False, False, False, 0),
+    (7, 8, 2, 1408, 512, -1, jnp.bfloat16, True, True, False, 2),
+    (3, 8, 2, 1024, 256, 32, jnp.float16, False, True, False, 0),
+]
+
+
+@pytest.mark.parametrize("block_m", [8, 16])
+@pytest.mark.parametrize("case", BITS_CASES, ids=_case_id)
+def test_registers_and_async_ring_same_bits(case, block_m, monkeypatch):
+  monkeypatch.setenv("JAX_MOEQ_DETERMINISTIC", "1")
+  got, want, (x, weights, topk_w, topk_ids) = _run_case(case, block_m=block_m,
+                                                        mainloop="registers")
+  assert _rel(got, want) <= (_rounding_tol(case[6]) if case[5] == 32 else TOL)
+  ring = wna16_gpu.fused_marlin_moe(x, weights, topk_w, topk_ids, activation_kind=case[10],
+                                    block_m=block_m, mainloop="async_ring")
+  np.testing.assert_array_equal(got, np.asarray(ring.astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("mainloop", ["async_ring", "bulk_copy"])
 def test_other_mainloops_batched(mainloop):
   e, m, h, i = 8, 16, 1024, 256

@@ -570,6 +570,48 @@ __device__ __forceinline__ void ArriveAndFinalize(const MoeGemmArgs& p, int unit
   }
 }
 
+// The scale-word offset of a lane's group for consecutive chunks, without a division a chunk:
+// groups of whole chunks count chunks within the group; groups that divide a chunk step by their
+// count a chunk; any other size (a multiple of 16 that neither divides nor is divided by 64)
+// divides as before. Offsets are 32-bit (ScaleWordsFitInt32).
+struct GroupCursor {
+  int kc, t;
+  int per_chunk;   // > 0: groups a chunk (the group size divides 64); 0: whole chunks; -1: divide
+  int in_group = 0, chunks_per_group = 1;
+  uint32_t offset;  // the current chunk's group x n_sub x 8
+  __device__ __forceinline__ GroupCursor(const MoeGemmArgs& p, int kc_begin, int lane_t)
+      : kc(kc_begin), t(lane_t) {
+    const int size = p.k / p.groups;
+    const uint32_t group_words = static_cast<uint32_t>(p.n / 16) * 8;
+    if (size % 64 == 0) {
+      per_chunk = 0;
+      chunks_per_group = size / 64;
+      const int group = kc / chunks_per_group;
+      in_group = kc - group * chunks_per_group;
+      offset = static_cast<uint32_t>(group) * group_words;
+    } else {
+      per_chunk = 64 % size == 0 ? 64 / size : -1;
+      offset = static_cast<uint32_t>(p.per_group(kc * 64 + 16 * t)) * group_words;
+    }
+  }
+  // Whether the current chunk is its group's last (groups of whole chunks).
+  __device__ __forceinline__ bool Ends() const { return in_group == chunks_per_group - 1; }
+  __device__ __forceinline__ void Next(const MoeGemmArgs& p) {
+    const uint32_t group_words = static_cast<uint32_t>(p.n / 16) * 8;
+    ++kc;
+    if (per_chunk == 0) {
+      if (++in_group == chunks_per_group) {
+        in_group = 0;
+        offset += group_words;
+      }
+    } else if (per_chunk > 0) {
+      offset += static_cast<uint32_t>(per_chunk) * group_words;
+    } else {
+      offset = static_cast<uint32_t>(p.per_group(kc * 64 + 16 * t)) * group_words;
+    }
+  }
+};
+
 // The GEMM of one expert block (of `expert`) for one warp's unit along N and the CTA's split of K:
 // the main loop and the epilogue. kFolded: either main loop with MmaChunkFolded / FoldGroup
 // (groups of whole chunks, block_m 8 and 16: where dequantization instructions, not bytes, bound
@@ -715,49 +757,63 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
     }
   } else if constexpr (kMainloop == GemmMainloop::kAsyncRing) {
     // Thread-private slots, interleaved by thread so a warp's 16-byte accesses are conflict-free:
-    // vec (stage s, item q) at vecs[(s * kVecs + q) * threads + tid], words likewise.
+    // vec (stage s, item q) at vecs[(s * kVecs + q) * threads + tid], words likewise. The loop is
+    // unrolled by the ring's depth, so every slot address is a fixed offset from this thread's
+    // base, and the global addresses run: each chunk's sources are the previous chunk's plus one
+    // chunk (GroupCursor for the scale words). The copies and the arithmetic are those of a loop
+    // that computed every address from the chunk index, so the results are the same bits.
     constexpr int kDepth = AsyncDepth<MT>();
     constexpr int kVecs = AsyncVecsPerChunk<MT>();
     extern __shared__ __align__(16) uint4 ring_smem[];
     const int threads = blockDim.x, tid = threadIdx.x;
-    uint4* vecs = ring_smem;
-    uint32_t* words = reinterpret_cast<uint32_t*>(ring_smem + kDepth * kVecs * threads);
-    auto vec = [&](int stage, int q) -> uint4* { return vecs + (stage * kVecs + q) * threads + tid; };
+    uint4* vecs = ring_smem + tid;
+    uint32_t* words = reinterpret_cast<uint32_t*>(ring_smem + kDepth * kVecs * threads) + tid;
+    auto vec = [&](int stage, int q) -> uint4* { return vecs + (stage * kVecs + q) * threads; };
     auto word = [&](int stage, int q) -> uint32_t* {
-      return words + (stage * kAsyncWordsPerChunk + q) * threads + tid;
+      return words + (stage * kAsyncWordsPerChunk + q) * threads;
     };
-    auto issue = [&](int kc, int stage) {
+    const uint4* w_next[kNsub];
 #pragma unroll
-      for (int j = 0; j < kNsub; ++j) CpAsyncStream16(vec(stage, j), wp[j] + kc * 32);
+    for (int j = 0; j < kNsub; ++j) w_next[j] = wp[j] + kc_begin * 32;
+    const T* x_next[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) x_next[m] = xrow[m] + kc_begin * 64;
+    GroupCursor issue_group(p, kc_begin, t);
+    GroupCursor use_group(p, kc_begin, t);  // kFolded: where the computed chunks' groups end
+    auto issue = [&](int stage) {  // the next chunk in order
+#pragma unroll
+      for (int j = 0; j < kNsub; ++j) {
+        CpAsyncStream16(vec(stage, j), w_next[j]);
+        w_next[j] += 32;
+      }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const T* src = xvalid[m] ? xrow[m] + kc * 64 + 8 * h : xrow[m];
-          CpAsync16OrZero(vec(stage, kNsub + 2 * m + h), src, xvalid[m]);
+          CpAsync16OrZero(vec(stage, kNsub + 2 * m + h), xvalid[m] ? x_next[m] + 8 * h : xrow[m],
+                          xvalid[m]);
         }
+        x_next[m] += 64;
       }
-      const int group = p.per_group(kc * 64 + 16 * t);
+      const uint32_t gw = issue_group.offset;
 #pragma unroll
       for (int j = 0; j < kNsub; ++j) {
-        const int64_t off = (static_cast<int64_t>(group) * n_sub + sub[j]) * 8;
-        CpAsync4(word(stage, j), sp + off);
-        if (zp) CpAsync4(word(stage, kNsub + j), zp + off);
+        CpAsync4(word(stage, j), sp + sub[j] * 8 + gw);
+        if (zp) CpAsync4(word(stage, kNsub + j), zp + sub[j] * 8 + gw);
       }
+      issue_group.Next(p);
     };
     const int n_chunks = kc_end - kc_begin;
 #pragma unroll
     for (int s = 0; s < kDepth - 1; ++s) {
-      if (s < n_chunks) issue(kc_begin + s, s);
+      if (s < n_chunks) issue(s);
       CpAsyncCommit();
     }
-    for (int c = 0; c < n_chunks; ++c) {
+    auto step = [&](int c, int stage, int ahead_stage) {
       // The slot refilled here was read (into registers) by this thread in iteration c - 1.
-      const int ahead = c + kDepth - 1;
-      if (ahead < n_chunks) issue(kc_begin + ahead, ahead % kDepth);
+      if (c + kDepth - 1 < n_chunks) issue(ahead_stage);
       CpAsyncCommit();
       CpAsyncWait<kDepth - 1>();  // groups 0..c are complete: chunk c has landed
-      const int stage = c % kDepth;
       uint4 wv[kNsub];
       uint4 xv[MT][2];
       uint32_t scale[kNsub], zero_magic[kNsub];
@@ -775,11 +831,95 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
       }
       if constexpr (kFolded) {
         MmaChunkFolded<T, kCode, kNsub, MT>(wv, xv, gacc, xsum);
-        if (group_ends(kc_begin + c)) FoldGroup<T, kNsub, MT>(scale, zero_magic, gacc, xsum, acc);
+        if (use_group.Ends() || c + 1 == n_chunks) {
+          FoldGroup<T, kNsub, MT>(scale, zero_magic, gacc, xsum, acc);
+        }
+        use_group.Next(p);
       } else {
         MmaChunk<T, kCode, kNsub, MT>(wv, xv, scale, zero_magic, acc);
       }
+    };
+    for (int c0 = 0; c0 < n_chunks; c0 += kDepth) {
+#pragma unroll
+      for (int s = 0; s < kDepth; ++s) {
+        if (c0 + s >= n_chunks) break;
+        step(c0 + s, s, (s + kDepth - 1) % kDepth);
+      }
     }
+  } else if constexpr (kMainloop == GemmMainloop::kRegisters && kFolded && MT == 1) {
+    // The folded register loop at block_m 8 (the decode GEMMs of WNA16) with its addresses kept
+    // running: the weights and activations of a full stage are read at fixed offsets from
+    // pointers that advance a stage a step, and each chunk's group (its scale word, where the group
+    // ends) is a count, not a division. The arithmetic is the loop below's, so the results are
+    // the same bits; what it saves is the 64-bit address and group arithmetic that every chunk
+    // repeated (ncu, H200, Qwen3-30B-A3B T = 16: ~200 of the 705 instructions a warp issued per
+    // 4-chunk stage). At block_m 16 this form spilled; the loop below stays there.
+    // The chunk count within the group, kept here rather than in a GroupCursor, which held
+    // more registers than this loop has at two CTAs an SM (134 against 128 in one build).
+    const int chunks_per_group = p.k / p.groups / 64;
+    const uint32_t group_words = static_cast<uint32_t>(n_sub) * 8;
+    const int first_group = kc_begin / chunks_per_group;
+    int in_group = kc_begin - first_group * chunks_per_group;
+    uint32_t word = static_cast<uint32_t>(first_group) * group_words;  // this group's scale words
+    const uint32_t* s_sub[kNsub];
+    const uint32_t* z_sub[kNsub];
+    const uint4* w_at[kNsub];
+#pragma unroll
+    for (int j = 0; j < kNsub; ++j) {
+      s_sub[j] = sp + sub[j] * 8;
+      z_sub[j] = zp ? zp + sub[j] * 8 : sp;
+      w_at[j] = wp[j] + kc_begin * 32;
+    }
+    const T* x_at[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) x_at[m] = xrow[m] + kc_begin * 64;
+    // One stage: kTail clamps reads to the slice (chunks past its end re-read its last chunk and
+    // are not computed); full stages read at fixed offsets.
+    auto stage = [&](auto tail, int kc) {
+      constexpr bool kTail = decltype(tail)::value;
+      uint4 wv[kStage][kNsub];
+      uint4 xv[kStage][MT][2];
+      uint32_t scale[kStage][kNsub], zero_magic[kStage][kNsub];
+      bool ends[kStage];
+#pragma unroll
+      for (int u = 0; u < kStage; ++u) {
+        const int ul = kTail ? min(u, kc_end - 1 - kc) : u;
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(w_at[j] + ul * 32);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            xv[u][m][h] = __ldg(reinterpret_cast<const uint4*>(x_at[m] + ul * 64 + 8 * h));
+          }
+        }
+        const bool real = !kTail || kc + u < kc_end;  // a past-the-end group may not exist
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          scale[u][j] = real ? __ldg(s_sub[j] + word) : 0u;
+          zero_magic[u][j] = zp && real ? MagicPlusZero<T>(__ldg(z_sub[j] + word))
+                                        : HalfType<T>::kMagicPlus8;
+        }
+        ends[u] = in_group == chunks_per_group - 1 || kc + u + 1 == kc_end;
+        if (++in_group == chunks_per_group) {
+          in_group = 0;
+          word += group_words;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kStage; ++u) {
+        if (kTail && kc + u >= kc_end) break;
+        MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
+        if (ends[u]) FoldGroup<T, kNsub, MT>(scale[u], zero_magic[u], gacc, xsum, acc);
+      }
+#pragma unroll
+      for (int j = 0; j < kNsub; ++j) w_at[j] += kStage * 32;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) x_at[m] += kStage * 64;
+    };
+    int kc = kc_begin;
+    for (; kc + kStage <= kc_end; kc += kStage) stage(std::false_type{}, kc);
+    if (kc < kc_end) stage(std::true_type{}, kc);
   } else {
     for (int kc = kc_begin; kc < kc_end; kc += kStage) {
       uint4 wv[kStage][kNsub];
