@@ -257,8 +257,9 @@ def test_other_mainloops(case, mainloop):
 
 # Without split-K (deterministic mode) the register loop and the async ring compute each output
 # element in one warp, chunk by chunk in the same order, with the same arithmetic: the same bits.
-# Both keep their addresses running (a stage's reads at fixed offsets, a group counter), so this
-# also checks the tails (22 chunks: not a multiple of a stage), the groups and the zero points.
+# The register loop at block_m 8 and the async ring keep their addresses running (a stage's reads
+# at fixed offsets, a group count), so this also checks their partial stages (22 chunks), the
+# groups and the zero points; at block_m 16 the register loop is the per-chunk form.
 BITS_CASES = [
     (5, 8, 2, 1024, 256, 128, jnp.bfloat16, False, True, True, 0),
     (16, 64, 8, 256, 1024, 64, jnp.bfloat16, False, False, True, 1),
