@@ -49,7 +49,7 @@ def wna16_case(e, k, h, i, t):
   x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
   ids = [jnp.asarray(s[0]) for s in sets]
   w = [jnp.asarray(s[1]) for s in sets]
-  per_expert = 3 * h * i // 2 + 2 * (2 * i * (h // peers.GROUP) + h * (i // peers.GROUP))
+  per_expert = peers.int4_expert_bytes(h, i, peers.GROUP)
 
   def graph(kw):  # the weights are arguments: closed over, they would become constants
     fn = jax.jit(lambda x, wts, ids, w: [wna16_gpu.fused_marlin_moe(x, wts[j], w[j], ids[j], **kw)
@@ -65,7 +65,7 @@ def mxint4_case(e, k, h, i, t):
   sets = mxint4_bench.logit_sets(t, t, e, k)
   x = jax.random.normal(jax.random.PRNGKey(t), (t, h), jnp.float32).astype(jnp.bfloat16)
   logits = [jnp.asarray(s[0]) for s in sets]
-  per_expert = 3 * h * i // 2 + 2 * (2 * i * (h // 32) + h * (i // 32))
+  per_expert = peers.int4_expert_bytes(h, i, 32)
 
   def graph(kw):
     def layer(x, l, wts):

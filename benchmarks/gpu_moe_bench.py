@@ -78,6 +78,12 @@ def mean_experts_hit(id_sets) -> float:
   return statistics.mean(len(np.unique(np.asarray(ids))) for ids in id_sets)
 
 
+def int4_expert_bytes(h: int, i: int, group: int) -> int:
+  """Bytes of one expert's int4 weights (w13 and w2) and their 2-byte scales, one a `group`
+  inputs: what a layer reads per expert it hits, behind the % of the copy rate."""
+  return 3 * h * i // 2 + 2 * (2 * i * (h // group) + h * (i // group))
+
+
 def time_calls(fn, args_list, min_time=0.2, reps=5):
   """Median per-call seconds: back-to-back async calls (rotating inputs), one sync per rep."""
   out = fn(*args_list[0])

@@ -80,7 +80,7 @@ def main():
     kw = jax.random.split(jax.random.PRNGKey(1))
     w13_bf = jax.random.normal(kw[0], (e, h, 2 * i), jnp.bfloat16) * 0.02
     w2_bf = jax.random.normal(kw[1], (e, i, h), jnp.bfloat16) * 0.02
-    bytes_per_expert = 3 * h * i // 2 + 2 * (2 * i * (h // 32) + h * (i // 32))  # + bf16 scales
+    bytes_per_expert = peers.int4_expert_bytes(h, i, 32)
 
     def moe(x, logits, *w, **kw):
       return mxint4_gpu.mxint4_moe(x, logits, *w, num_experts=e, top_k=k, intermediate_size=i,
