@@ -390,6 +390,13 @@ VARIANTS = {
                                                   bias=True, block_m=8, mainloop="registers"),
     "wna16_aligned_bm8_async_ring_tail": Wna16Case(t=5, h=320, i=192, group=-1, block_m=8,
                                                    mainloop="async_ring"),
+    # The register loop's groups at fixed chunks of a stage (block_m 8): groups of 128 (2 chunks)
+    # over 6 chunks (a stage, then 2 a chunk at a time) and 4; channel-wise over 12 chunks (3
+    # stages a group) and 4, with zero points.
+    "wna16_aligned_bm8_fixed_g128_tail": Wna16Case(t=5, h=384, i=256, group=128, block_m=8,
+                                                   mainloop="registers"),
+    "wna16_aligned_bm8_fixed_channelwise": Wna16Case(t=5, h=768, i=256, group=-1, zeros=True,
+                                                     block_m=8, mainloop="registers"),
     "wna16_aligned_bm16_async_ring": Wna16Case(t=5, block_m=16, mainloop="async_ring",
                                                dtype="float16", zeros=True, bias=True,
                                                activation=1),

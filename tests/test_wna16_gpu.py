@@ -259,13 +259,20 @@ def test_other_mainloops(case, mainloop):
 # element in one warp, chunk by chunk in the same order, with the same arithmetic: the same bits.
 # The register loop at block_m 8 and the async ring keep their addresses running (a stage's reads
 # at fixed offsets, a group count), so this also checks their partial stages (22 chunks), the
-# groups and the zero points; at block_m 16 the register loop is the per-chunk form.
+# groups and the zero points; at block_m 16 the register loop is the per-chunk form. At block_m 8
+# the register loop's groups sit at fixed chunks of a stage (FixedGroupChunks) for groups of 64
+# and 128 (1 and 2 chunks) and channel-wise over a multiple of 4 chunks (8, 12, 16), with and
+# without zero points; K of 22 chunks in groups of 128 ends in a partial stage, and channel-wise
+# over 22 chunks takes the counted loop.
 BITS_CASES = [
     (5, 8, 2, 1024, 256, 128, jnp.bfloat16, False, True, True, 0),
     (16, 64, 8, 256, 1024, 64, jnp.bfloat16, False, False, True, 1),
     (9, 12, 6, 2048, 1408, 64, jnp.float16, False, False, False, 0),
     (7, 8, 2, 1408, 512, -1, jnp.bfloat16, True, True, False, 2),
     (3, 8, 2, 1024, 256, 32, jnp.float16, False, True, False, 0),
+    (6, 8, 2, 1408, 768, 128, jnp.bfloat16, False, False, False, 0),
+    (4, 8, 2, 1024, 512, -1, jnp.float16, False, False, True, 1),
+    (5, 8, 2, 512, 768, -1, jnp.bfloat16, False, False, False, 0),
 ]
 
 

@@ -121,10 +121,13 @@ __device__ __forceinline__ void CpAsyncSharedOrZero(uint32_t dst, const void* sr
 }
 
 // Activations, shared by the CTA's warps through L1 (.ca); zero-filled when !valid (no read).
-__device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(SharedAddress(smem)),
-               "l"(gmem), "r"(valid ? 16 : 0)
+__device__ __forceinline__ void CpAsyncShared16OrZero(uint32_t dst, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0)
                : "memory");
+}
+__device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
+  CpAsyncShared16OrZero(SharedAddress(smem), gmem, valid);
 }
 
 __device__ __forceinline__ void CpAsyncShared4(uint32_t dst, const void* src) {
@@ -378,6 +381,21 @@ __device__ __forceinline__ void MmaChunkFolded(const uint4 (&w)[NSUB], const uin
   }
 }
 
+// The two halves of a packed pair as floats (low, high). bf16 is the top half of an f32, so its
+// halves are a shift and a mask (one instruction each, where the conversions take three).
+template <typename T>
+__device__ __forceinline__ void HalvesToFloat(uint32_t pair, float (&f)[2]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    f[0] = __uint_as_float(pair << 16);
+    f[1] = __uint_as_float(pair & 0xffff0000u);
+  } else {
+    using T2 = typename HalfType<T>::T2;
+    const T2 v = AsHalf2<T2>(pair);
+    f[0] = __low2float(v);
+    f[1] = __high2float(v);
+  }
+}
+
 // Ends a group of MmaChunkFolded: acc += s * (gacc - zero_magic * xsum) per row half
 // (c = 0, 1: row g, the low halves of scale and zero_magic; c = 2, 3: row g + 8), then
 // clears gacc and xsum for the next group.
@@ -386,12 +404,11 @@ __device__ __forceinline__ void FoldGroup(const uint32_t (&scale)[NSUB],
                                           const uint32_t (&zero_magic)[NSUB],
                                           float (&gacc)[NSUB][MT][4], float (&xsum)[MT][4],
                                           float (&acc)[NSUB][MT][4]) {
-  using T2 = typename HalfType<T>::T2;
 #pragma unroll
   for (int j = 0; j < NSUB; ++j) {
-    const T2 s2 = AsHalf2<T2>(scale[j]), z2 = AsHalf2<T2>(zero_magic[j]);
-    const float s[2] = {__low2float(s2), __high2float(s2)};
-    const float z[2] = {__low2float(z2), __high2float(z2)};
+    float s[2], z[2];
+    HalvesToFloat<T>(scale[j], s);
+    HalvesToFloat<T>(zero_magic[j], z);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
 #pragma unroll

@@ -578,11 +578,11 @@ struct GroupCursor {
   int kc, t;
   int per_chunk;   // > 0: groups a chunk (the group size divides 64); 0: whole chunks; -1: divide
   int in_group = 0, chunks_per_group = 1;
+  uint32_t group_words;  // n_sub x 8: one group's scale words
   uint32_t offset;  // the current chunk's group x n_sub x 8
   __device__ __forceinline__ GroupCursor(const MoeGemmArgs& p, int kc_begin, int lane_t)
-      : kc(kc_begin), t(lane_t) {
+      : kc(kc_begin), t(lane_t), group_words(static_cast<uint32_t>(p.n / 16) * 8) {
     const int size = p.k / p.groups;
-    const uint32_t group_words = static_cast<uint32_t>(p.n / 16) * 8;
     if (size % 64 == 0) {
       per_chunk = 0;
       chunks_per_group = size / 64;
@@ -597,7 +597,6 @@ struct GroupCursor {
   // Whether the current chunk is its group's last (groups of whole chunks).
   __device__ __forceinline__ bool Ends() const { return in_group == chunks_per_group - 1; }
   __device__ __forceinline__ void Next(const MoeGemmArgs& p) {
-    const uint32_t group_words = static_cast<uint32_t>(p.n / 16) * 8;
     ++kc;
     if (per_chunk == 0) {
       if (++in_group == chunks_per_group) {
@@ -616,7 +615,8 @@ struct GroupCursor {
 // the main loop and the epilogue. kFolded: either main loop with MmaChunkFolded / FoldGroup
 // (groups of whole chunks, block_m 8 and 16: where dequantization instructions, not bytes, bound
 // the decode GEMMs).
-template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop, bool kFolded>
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop, bool kFolded,
+          int kGroupChunks = 0, bool kZeros = true>
 __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int blk, int unit,
                                                        int warp, int lane, int expert) {
   constexpr int kNsub = 2;
@@ -646,8 +646,11 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
     wp[j] = p.w + (static_cast<int64_t>(expert) * n_sub + sub[j]) * chunks * 32 + lane;
   }
   const uint32_t* sp = p.scales + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g;
-  const uint32_t* zp =
-      p.zeros ? p.zeros + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g : nullptr;
+  // Signed nibbles (MxInt4) have no zero points (its launcher passes none): null at compile time,
+  // so its loops carry no zero-point loads or selects.
+  const uint32_t* zp = kCode != NibbleCode::kSignedInt4 && p.zeros
+                           ? p.zeros + static_cast<int64_t>(expert) * p.groups * n_sub * 8 + g
+                           : nullptr;
 
   float acc[kNsub][MT][4];
 #pragma unroll
@@ -765,16 +768,33 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
     constexpr int kDepth = AsyncDepth<MT>();
     constexpr int kVecs = AsyncVecsPerChunk<MT>();
     extern __shared__ __align__(16) uint4 ring_smem[];
-    const int threads = blockDim.x, tid = threadIdx.x;
+    // The CTA's size as a constant (every launch has kMaxGemmThreads threads), so that each slot
+    // is a fixed offset from this thread's first: as a pointer for the reads, as a shared-window
+    // address for the copies (a generic pointer there is converted again at every copy).
+    constexpr int threads = kMaxGemmThreads;
+    const int tid = threadIdx.x;
     uint4* vecs = ring_smem + tid;
     uint32_t* words = reinterpret_cast<uint32_t*>(ring_smem + kDepth * kVecs * threads) + tid;
     auto vec = [&](int stage, int q) -> uint4* { return vecs + (stage * kVecs + q) * threads; };
     auto word = [&](int stage, int q) -> uint32_t* {
       return words + (stage * kAsyncWordsPerChunk + q) * threads;
     };
+    const uint32_t vec_at = SharedAddress(vecs), word_at = SharedAddress(words);
+    auto vec_address = [&](int stage, int q) -> uint32_t {
+      return vec_at + (stage * kVecs + q) * threads * 16;
+    };
+    auto word_address = [&](int stage, int q) -> uint32_t {
+      return word_at + (stage * kAsyncWordsPerChunk + q) * threads * 4;
+    };
     const uint4* w_next[kNsub];
+    const uint32_t* s_sub[kNsub];  // this subtile's scale (and zero-point) words of group 0
+    const uint32_t* z_sub[kNsub];
 #pragma unroll
-    for (int j = 0; j < kNsub; ++j) w_next[j] = wp[j] + kc_begin * 32;
+    for (int j = 0; j < kNsub; ++j) {
+      w_next[j] = wp[j] + kc_begin * 32;
+      s_sub[j] = sp + sub[j] * 8;
+      z_sub[j] = zp ? zp + sub[j] * 8 : sp;
+    }
     const T* x_next[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) x_next[m] = xrow[m] + kc_begin * 64;
@@ -783,25 +803,31 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
     auto issue = [&](int stage) {  // the next chunk in order
 #pragma unroll
       for (int j = 0; j < kNsub; ++j) {
-        CpAsyncStream16(vec(stage, j), w_next[j]);
+        CpAsyncSharedStream(vec_address(stage, j), w_next[j]);
         w_next[j] += 32;
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          CpAsync16OrZero(vec(stage, kNsub + 2 * m + h), xvalid[m] ? x_next[m] + 8 * h : xrow[m],
-                          xvalid[m]);
+        for (int h = 0; h < 2; ++h) {  // a padding row's source is row 0's, not read
+          CpAsyncShared16OrZero(vec_address(stage, kNsub + 2 * m + h), x_next[m] + 8 * h,
+                                xvalid[m]);
         }
         x_next[m] += 64;
       }
       const uint32_t gw = issue_group.offset;
 #pragma unroll
       for (int j = 0; j < kNsub; ++j) {
-        CpAsync4(word(stage, j), sp + sub[j] * 8 + gw);
-        if (zp) CpAsync4(word(stage, kNsub + j), zp + sub[j] * 8 + gw);
+        CpAsyncShared4(word_address(stage, j), s_sub[j] + gw);
+        if (zp) CpAsyncShared4(word_address(stage, kNsub + j), z_sub[j] + gw);
       }
-      issue_group.Next(p);
+      if constexpr (kCode == NibbleCode::kSignedInt4) {
+        // MxInt4's groups are always 32 inputs (its launcher's groups = K / 32): two a chunk, a
+        // constant step instead of the cursor's switch on the group kind.
+        issue_group.offset += 2 * issue_group.group_words;
+      } else {
+        issue_group.Next(p);
+      }
     };
     const int n_chunks = kc_end - kc_begin;
 #pragma unroll
@@ -849,18 +875,17 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
   } else if constexpr (kMainloop == GemmMainloop::kRegisters && kFolded && MT == 1) {
     // The folded register loop at block_m 8 (the decode GEMMs of WNA16) with its addresses kept
     // running: the weights and activations of a full stage are read at fixed offsets from
-    // pointers that advance a stage a step, and each chunk's group (its scale word, where the group
-    // ends) is a count, not a division. The arithmetic is the loop below's, so the results are
-    // the same bits; what it saves is the 64-bit address and group arithmetic that every chunk
+    // pointers that advance a stage a step. The arithmetic is the loop below's, so the results
+    // are the same bits; what it saves is the address and group arithmetic that every chunk
     // repeated (ncu, H200, Qwen3-30B-A3B T = 16: ~200 of the 705 instructions a warp issued per
     // 4-chunk stage). At block_m 16 this form spilled; the loop below stays there.
-    // The chunk count within the group, kept here rather than in a GroupCursor, which held
-    // more registers than this loop has at two CTAs an SM (134 against 128 in one build).
+    // Two forms: where the groups sit at fixed chunks of a stage (kGroupChunks != 0, its own
+    // kernel), a stage's scales are read once a group and its folds are placed at compile time
+    // (sm_90a SASS, groups of 128 without zero points: a 4-chunk stage of 363 instructions, where
+    // the counted form's has 546 and branches around two of its four folds); elsewhere each
+    // chunk's group is counted.
     const int chunks_per_group = p.k / p.groups / 64;
     const uint32_t group_words = static_cast<uint32_t>(n_sub) * 8;
-    const int first_group = kc_begin / chunks_per_group;
-    int in_group = kc_begin - first_group * chunks_per_group;
-    uint32_t word = static_cast<uint32_t>(first_group) * group_words;  // this group's scale words
     const uint32_t* s_sub[kNsub];
     const uint32_t* z_sub[kNsub];
     const uint4* w_at[kNsub];
@@ -870,56 +895,155 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
       z_sub[j] = zp ? zp + sub[j] * 8 : sp;
       w_at[j] = wp[j] + kc_begin * 32;
     }
-    const T* x_at[MT];
+    const T* x_at = xrow[0] + kc_begin * 64;
+    int kc = kc_begin;
+    // Full stages whose groups start and end at fixed chunks of the stage: groups of 1 or 2
+    // chunks from a group's first chunk (kCpg: each stage holds kStage / kCpg whole groups), or
+    // groups of a multiple of kStage chunks from a stage-aligned chunk (kCpg == kStage: a stage is
+    // part of one group, folded at its last chunk where the group or the slice ends). Each group's
+    // scale and zero-point words are read once, at fixed offsets from pointers that advance a
+    // group a step, and where a group ends is known at compile time: no count, no selects, no
+    // branch around the fold (the groups of 128 that GPTQ checkpoints use are kCpg 2).
+    auto fixed_group_stages = [&](auto cpg_tag) {
+      constexpr int kCpg = decltype(cpg_tag)::value;
+      constexpr int kGroups = kStage / kCpg;
+      const int first_group = kc / chunks_per_group;
+      const uint32_t* s_at[kNsub];
+      const uint32_t* z_at[kNsub];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) x_at[m] = xrow[m] + kc_begin * 64;
-    // One stage: kTail clamps reads to the slice (chunks past its end re-read its last chunk and
-    // are not computed); full stages read at fixed offsets.
-    auto stage = [&](auto tail, int kc) {
-      constexpr bool kTail = decltype(tail)::value;
-      uint4 wv[kStage][kNsub];
-      uint4 xv[kStage][MT][2];
-      uint32_t scale[kStage][kNsub], zero_magic[kStage][kNsub];
-      bool ends[kStage];
+      for (int j = 0; j < kNsub; ++j) {
+        s_at[j] = s_sub[j] + first_group * group_words;
+        z_at[j] = z_sub[j] + first_group * group_words;
+      }
+      const int stages_per_group = chunks_per_group / kStage;  // kCpg == kStage
+      int stage_in_group = (kc - first_group * chunks_per_group) / kStage;
+      for (; kc + kStage <= kc_end; kc += kStage) {
+        uint4 wv[kStage][kNsub];
+        uint4 xv[kStage][MT][2];
+        uint32_t scale[kGroups][kNsub], zero_magic[kGroups][kNsub];
 #pragma unroll
-      for (int u = 0; u < kStage; ++u) {
-        const int ul = kTail ? min(u, kc_end - 1 - kc) : u;
+        for (int u = 0; u < kStage; ++u) {
 #pragma unroll
-        for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(w_at[j] + ul * 32);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
+          for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(w_at[j] + u * 32);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            xv[u][m][h] = __ldg(reinterpret_cast<const uint4*>(x_at[m] + ul * 64 + 8 * h));
+            xv[u][0][h] = __ldg(reinterpret_cast<const uint4*>(x_at + u * 64 + 8 * h));
           }
         }
-        const bool real = !kTail || kc + u < kc_end;  // a past-the-end group may not exist
+#pragma unroll
+        for (int q = 0; q < kGroups; ++q) {
+#pragma unroll
+          for (int j = 0; j < kNsub; ++j) {
+            scale[q][j] = __ldg(s_at[j] + q * group_words);
+            zero_magic[q][j] = kZeros ? MagicPlusZero<T>(__ldg(z_at[j] + q * group_words))
+                                      : HalfType<T>::kMagicPlus8;
+          }
+        }
+        bool fold_last = true;  // whether the stage's last chunk ends its group (or the slice)
+        if constexpr (kCpg == kStage) {
+          fold_last = ++stage_in_group == stages_per_group || kc + kStage == kc_end;
+        }
+#pragma unroll
+        for (int u = 0; u < kStage; ++u) {
+          MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
+          if ((u + 1) % kCpg == 0 && (u + 1 < kStage || fold_last)) {
+            FoldGroup<T, kNsub, MT>(scale[u / kCpg], zero_magic[u / kCpg], gacc, xsum, acc);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) w_at[j] += kStage * 32;
+        x_at += kStage * 64;
+        if (kCpg < kStage || stage_in_group == stages_per_group) {
+          stage_in_group = 0;
+#pragma unroll
+          for (int j = 0; j < kNsub; ++j) {
+            s_at[j] += kGroups * group_words;
+            z_at[j] += kGroups * group_words;
+          }
+        }
+      }
+    };
+    if constexpr (kGroupChunks != 0) {
+      // The host takes these kernels only where the plan holds (FixedGroupChunks); should it not,
+      // the counted loop below computes every stage.
+      static_assert(kGroupChunks == 1 || kGroupChunks == 2 || kGroupChunks == kStage);
+      const bool fixed = kZeros == (zp != nullptr) &&
+                         (kGroupChunks == kStage ? chunks_per_group % kStage == 0
+                                                 : chunks_per_group == kGroupChunks) &&
+                         kc_begin % kGroupChunks == 0;
+      if (fixed) fixed_group_stages(std::integral_constant<int, kGroupChunks>{});
+      // The last, partial stage (or, should the plan not hold, every chunk) a chunk at a time:
+      // few registers, and the same arithmetic in the same order.
+      for (; kc < kc_end; ++kc) {
+        const uint32_t word = static_cast<uint32_t>(p.per_group(kc * 64)) * group_words;
+        uint4 wv[kNsub];
+        uint4 xv[MT][2];
+        uint32_t scale[kNsub], zero_magic[kNsub];
 #pragma unroll
         for (int j = 0; j < kNsub; ++j) {
-          scale[u][j] = real ? __ldg(s_sub[j] + word) : 0u;
-          zero_magic[u][j] = zp && real ? MagicPlusZero<T>(__ldg(z_sub[j] + word))
-                                        : HalfType<T>::kMagicPlus8;
+          wv[j] = LoadStreaming(w_at[j]);
+          scale[j] = __ldg(s_sub[j] + word);
+          zero_magic[j] = zp ? MagicPlusZero<T>(__ldg(z_sub[j] + word)) : HalfType<T>::kMagicPlus8;
+          w_at[j] += 32;
         }
-        ends[u] = in_group == chunks_per_group - 1 || kc + u + 1 == kc_end;
-        if (++in_group == chunks_per_group) {
-          in_group = 0;
-          word += group_words;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) xv[0][h] = __ldg(reinterpret_cast<const uint4*>(x_at + 8 * h));
+        x_at += 64;
+        MmaChunkFolded<T, kCode, kNsub, MT>(wv, xv, gacc, xsum);
+        if ((kc + 1) % chunks_per_group == 0 || kc + 1 == kc_end) {
+          FoldGroup<T, kNsub, MT>(scale, zero_magic, gacc, xsum, acc);
         }
       }
+    } else {
+      // The counted loop (every stage of a launch whose groups do not sit at fixed chunks): each
+      // chunk's group a count within the group (kept here rather than in a GroupCursor, which
+      // held more registers than this loop has at two CTAs an SM: 134 against 128 in one build).
+      const int first_group = kc / chunks_per_group;
+      int in_group = kc - first_group * chunks_per_group;
+      uint32_t word = static_cast<uint32_t>(first_group) * group_words;  // this group's scale words
+      // One stage: kTail clamps reads to the slice (chunks past its end re-read its last chunk and
+      // are not computed); full stages read at fixed offsets.
+      auto stage = [&](auto tail, int kc) {
+        constexpr bool kTail = decltype(tail)::value;
+        uint4 wv[kStage][kNsub];
+        uint4 xv[kStage][MT][2];
+        uint32_t scale[kStage][kNsub], zero_magic[kStage][kNsub];
+        bool ends[kStage];
 #pragma unroll
-      for (int u = 0; u < kStage; ++u) {
-        if (kTail && kc + u >= kc_end) break;
-        MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
-        if (ends[u]) FoldGroup<T, kNsub, MT>(scale[u], zero_magic[u], gacc, xsum, acc);
-      }
+        for (int u = 0; u < kStage; ++u) {
+          const int ul = kTail ? min(u, kc_end - 1 - kc) : u;
 #pragma unroll
-      for (int j = 0; j < kNsub; ++j) w_at[j] += kStage * 32;
+          for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(w_at[j] + ul * 32);
 #pragma unroll
-      for (int m = 0; m < MT; ++m) x_at[m] += kStage * 64;
-    };
-    int kc = kc_begin;
-    for (; kc + kStage <= kc_end; kc += kStage) stage(std::false_type{}, kc);
-    if (kc < kc_end) stage(std::true_type{}, kc);
+          for (int h = 0; h < 2; ++h) {
+            xv[u][0][h] = __ldg(reinterpret_cast<const uint4*>(x_at + ul * 64 + 8 * h));
+          }
+          const bool real = !kTail || kc + u < kc_end;  // a past-the-end group may not exist
+#pragma unroll
+          for (int j = 0; j < kNsub; ++j) {
+            scale[u][j] = real ? __ldg(s_sub[j] + word) : 0u;
+            zero_magic[u][j] = zp && real ? MagicPlusZero<T>(__ldg(z_sub[j] + word))
+                                          : HalfType<T>::kMagicPlus8;
+          }
+          ends[u] = in_group == chunks_per_group - 1 || kc + u + 1 == kc_end;
+          if (++in_group == chunks_per_group) {
+            in_group = 0;
+            word += group_words;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kStage; ++u) {
+          if (kTail && kc + u >= kc_end) break;
+          MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
+          if (ends[u]) FoldGroup<T, kNsub, MT>(scale[u], zero_magic[u], gacc, xsum, acc);
+        }
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) w_at[j] += kStage * 32;
+        x_at += kStage * 64;
+      };
+      for (; kc + kStage <= kc_end; kc += kStage) stage(std::false_type{}, kc);
+      if (kc < kc_end) stage(std::true_type{}, kc);
+    }
   } else {
     for (int kc = kc_begin; kc < kc_end; kc += kStage) {
       uint4 wv[kStage][kNsub];
@@ -983,12 +1107,23 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
   }
 }
 
+// CTAs an SM a kernel's registers must allow (the launch bound's minimum): two for the register
+// loop with fixed groups, whose stages ptxas would otherwise hold in more than 128 registers; else
+// none asked (the others take 128 or fewer, or one CTA an SM, as they are).
+template <int kGroupChunks>
+__host__ __device__ constexpr int GemmMinBlocksPerSm() {
+  return kGroupChunks != 0 ? 2 : 0;
+}
+
 template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop = GemmMainloop::kRegisters,
-          bool kFolded = false>
-__global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs p) {
+          bool kFolded = false, int kGroupChunks = 0, bool kZeros = true>
+__global__ void __launch_bounds__(kMaxGemmThreads, GemmMinBlocksPerSm<kGroupChunks>())
+    MoeInt4GemmKernel(MoeGemmArgs p) {
   static_assert(kMainloop == GemmMainloop::kRegisters || MT <= 4,
                 "the cp.async ring holds block_m 8, 16 and 32");
   static_assert(!kFolded || MT <= 2, "the folded main loops are for block_m 8 and 16");
+  static_assert(kGroupChunks == 0 || (kMainloop == GemmMainloop::kRegisters && kFolded && MT == 1),
+                "fixed groups are a form of the folded register loop at block_m 8");
   static_assert(kMainloop != GemmMainloop::kBulkCopy || MT <= 2,
                 "the bulk-copy main loop is for block_m 8 and 16");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -999,8 +1134,8 @@ __global__ void __launch_bounds__(kMaxGemmThreads) MoeInt4GemmKernel(MoeGemmArgs
   if (unit >= p.units) return;
   const int expert = BlockExpert(p, blockIdx.x, MT * 8);
   if (expert >= 0) {
-    MoeInt4GemmExpertBlock<T, kCode, MT, kMainloop, kFolded>(p, blockIdx.x, unit, warp, lane,
-                                                             expert);
+    MoeInt4GemmExpertBlock<T, kCode, MT, kMainloop, kFolded, kGroupChunks, kZeros>(
+        p, blockIdx.x, unit, warp, lane, expert);
     // One-token path (block_m 8 only, so only MT 1 compiles it). A pair without an expert here
     // needs no activation: GEMM2 skips it too.
     if constexpr (MT == 1) {
@@ -1392,9 +1527,12 @@ static __global__ void AlignBatchedKernel(const int32_t* expert_num_tokens, int 
 // Host side: one launch of the GEMM for args.block_m and args.mainloop, CTAs of kGemmWarps
 // warps. kAsyncRing applies to block_m 8, 16 and 32 (64 uses kRegisters).
 constexpr int kGemmWarps = 8;
+static_assert(kGemmWarps * 32 == kMaxGemmThreads, "the async ring lays its slots out for this size");
 
-template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop, bool kFolded = false>
+template <typename T, NibbleCode kCode, int MT, GemmMainloop kMainloop, bool kFolded = false,
+          int kGroupChunks = 0, bool kZeros = true>
 void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  const auto kernel = MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded, kGroupChunks, kZeros>;
   const dim3 grid(max_blocks, (args.units + kGemmWarps - 1) / kGemmWarps, args.splits);
   const int threads = kGemmWarps * 32;
   int smem = 0;
@@ -1404,14 +1542,37 @@ void LaunchMoeInt4GemmFor(const MoeGemmArgs& args, int max_blocks, cudaStream_t 
     // so it is also fine while XLA captures a command buffer). Should it fail, the launch below
     // fails too and the caller's cudaGetLastError reports it.
     static SmemOptInTable opted_in;
-    (void)EnsureDynamicSmem(opted_in, MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>, smem,
-                            /*max_carveout=*/true);
+    (void)EnsureDynamicSmem(opted_in, kernel, smem, /*max_carveout=*/true);
   }
   if (args.dependent_launch) {
-    LaunchAfterPrior(MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded>, grid, dim3(threads),
-                     smem, stream, args);
+    LaunchAfterPrior(kernel, grid, dim3(threads), smem, stream, args);
   } else {
-    MoeInt4GemmKernel<T, kCode, MT, kMainloop, kFolded><<<grid, threads, smem, stream>>>(args);
+    kernel<<<grid, threads, smem, stream>>>(args);
+  }
+}
+
+// The folded register loop's fixed-group form at block_m 8 (kGroupChunks of
+// MoeInt4GemmExpertBlock) that a launch's groups allow: 1 or 2 for groups of that many chunks, 4
+// (a stage) for groups of a multiple of 4 chunks, when every split starts where a group (or a
+// stage) does; 0 for none (the counted loop).
+inline int FixedGroupChunks(const MoeGemmArgs& args) {
+  constexpr int kStage = ChunksPerStage<1>();
+  const int chunks_per_group = args.k / args.groups / 64;
+  const int step = args.splits > 1 ? args.chunks_per_split : 0;  // where splits start: multiples
+  if (chunks_per_group == 1) return 1;
+  if (chunks_per_group == 2 && step % 2 == 0) return 2;
+  if (chunks_per_group % kStage == 0 && step % kStage == 0) return kStage;
+  return 0;
+}
+
+template <typename T, NibbleCode kCode, int kGroupChunks>
+void LaunchMoeInt4GemmFixedGroups(const MoeGemmArgs& args, int max_blocks, cudaStream_t stream) {
+  if (args.zeros) {
+    LaunchMoeInt4GemmFor<T, kCode, 1, GemmMainloop::kRegisters, true, kGroupChunks, true>(
+        args, max_blocks, stream);
+  } else {
+    LaunchMoeInt4GemmFor<T, kCode, 1, GemmMainloop::kRegisters, true, kGroupChunks, false>(
+        args, max_blocks, stream);
   }
 }
 
@@ -1421,6 +1582,16 @@ void LaunchMoeInt4GemmFolding(const MoeGemmArgs& args, int max_blocks, cudaStrea
   // groups of 32 never do, so its code is not instantiated.
   if constexpr (MT <= 2 && kCode == NibbleCode::kUint4b8) {
     if ((args.k / args.groups) % 64 == 0) {
+      if constexpr (MT == 1 && kMainloop == GemmMainloop::kRegisters) {
+        switch (FixedGroupChunks(args)) {
+          case 1: return LaunchMoeInt4GemmFixedGroups<T, kCode, 1>(args, max_blocks, stream);
+          case 2: return LaunchMoeInt4GemmFixedGroups<T, kCode, 2>(args, max_blocks, stream);
+          case ChunksPerStage<1>():
+            return LaunchMoeInt4GemmFixedGroups<T, kCode, ChunksPerStage<1>()>(args, max_blocks,
+                                                                               stream);
+          default: break;
+        }
+      }
       LaunchMoeInt4GemmFor<T, kCode, MT, kMainloop, true>(args, max_blocks, stream);
       return;
     }
