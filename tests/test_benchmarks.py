@@ -248,6 +248,34 @@ def test_sass_source_summary_sums_an_ncu_source_export(monkeypatch, tmp_path, ca
                                               "stall_math=20"]
 
 
+def test_sass_loops_counts_each_backward_branch_body(monkeypatch, tmp_path, capsys):
+  # benchmarks/sass_loops.py over cuobjdump -sass text: two functions, a loop of four
+  # instructions (one predicated) closed by a backward branch, a forward branch that is no loop.
+  monkeypatch.syspath_prepend(str(BENCH.parent))
+  import sass_loops  # pylint: disable=import-outside-toplevel
+  sass = (
+      "\n\tcode for sm_90a\n\t\tFunction : _Z6kernelv\n"
+      "        /*0000*/                   MOV R1, c[0x0][0x28] ;  /* 0x00000a0000017a02 */\n"
+      "        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;  /* 0x0 */\n"
+      "        /*0020*/                   LOP3.LUT R8, R4, 0xf000f, R9, 0xea, !PT ;  /* 0x0 */\n"
+      "        /*0030*/               @P0 LOP3.LUT R9, R5, 0xf000f, R9, 0xea, !PT ;  /* 0x0 */\n"
+      "        /*0040*/              @!P1 BRA 0x10 ;  /* 0x0 */\n"
+      "        /*0050*/                   BRA 0x70 ;  /* 0x0 */\n"
+      "        /*0060*/                   EXIT ;  /* 0x0 */\n"
+      "\t\tFunction : _Z5otherv\n"
+      "        /*0000*/                   EXIT ;  /* 0x0 */\n")
+  funcs = sass_loops.functions(sass)
+  assert list(funcs) == ["_Z6kernelv", "_Z5otherv"] and len(funcs["_Z6kernelv"]) == 7
+  (start, end, body), = sass_loops.loops(funcs["_Z6kernelv"])
+  assert (start, end) == (0x10, 0x40) and body == {"LDG": 1, "LOP3": 2, "BRA": 1}
+  path = tmp_path / "k.sass"
+  path.write_text(sass)
+  monkeypatch.setattr(sys, "argv", ["sass_loops", str(path), "--kernel", "kernel", "--min", "1"])
+  sass_loops.main()
+  out = capsys.readouterr().out.splitlines()
+  assert out == ["_Z6kernelv: 7 instructions", "  loop 0x10-0x40: 4: LOP3 2, LDG 1, BRA 1"]
+
+
 def test_tokamax_bench_stubs_a_missing_xprof_tool(monkeypatch):
   # tokamax 0.0.17 imports xprof.cli.tools.get_kernel_stats_tool at import time.
   monkeypatch.syspath_prepend(str(BENCH.parent))
