@@ -35,7 +35,9 @@ SATURATING_FRACTION = 0.5
 # GEMM main loops (GemmMainloop in csrc/cuda/moe_int4_gemm.cuh):
 #   "registers": each warp loads a stage of chunks into registers, then computes it. For WNA16 at
 #     block_m 8/16 with groups of 64 or more it takes the folded form (zero point and scale applied
-#     once per group), the fastest measured (H100, 2026-11-23: Mixtral T=1 84 us).
+#     once per group), the fastest measured (H100, 2026-11-23: Mixtral T=1 84 us). At block_m 8
+#     the library picks, by the groups, a kernel whose groups sit at fixed chunks of a stage
+#     (FixedGroupChunks in csrc/cuda/moe_int4_gemm.cuh; H200, 2026-11-29: 1.13-1.18x at T=4-64).
 #   "async_ring": each thread streams its pieces through a cp.async ring in shared memory (block_m
 #     8, 16, 32). Faster than "registers" for MxInt4 (groups of 32, never folded) at block_m <= 16
 #     (Mixtral shape T=1 106 vs 115 us, T=64 514 vs 676 us), slower at block_m 32.
