@@ -126,15 +126,9 @@ __device__ __forceinline__ void CpAsyncShared16OrZero(uint32_t dst, const void* 
                "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
-  CpAsyncShared16OrZero(SharedAddress(smem), gmem, valid);
-}
 
 __device__ __forceinline__ void CpAsyncShared4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
-  CpAsyncShared4(SharedAddress(smem), gmem);
 }
 
 // Shared-memory loads on a 32-bit shared-window address.

@@ -897,73 +897,73 @@ __device__ __forceinline__ void MoeInt4GemmExpertBlock(const MoeGemmArgs& p, int
     }
     const T* x_at = xrow[0] + kc_begin * 64;
     int kc = kc_begin;
-    // Full stages whose groups start and end at fixed chunks of the stage: groups of 1 or 2
-    // chunks from a group's first chunk (kCpg: each stage holds kStage / kCpg whole groups), or
-    // groups of a multiple of kStage chunks from a stage-aligned chunk (kCpg == kStage: a stage is
-    // part of one group, folded at its last chunk where the group or the slice ends). Each group's
-    // scale and zero-point words are read once, at fixed offsets from pointers that advance a
-    // group a step, and where a group ends is known at compile time: no count, no selects, no
-    // branch around the fold (the groups of 128 that GPTQ checkpoints use are kCpg 2).
-    auto fixed_group_stages = [&](auto cpg_tag) {
-      constexpr int kCpg = decltype(cpg_tag)::value;
-      constexpr int kGroups = kStage / kCpg;
-      const int first_group = kc / chunks_per_group;
-      const uint32_t* s_at[kNsub];
-      const uint32_t* z_at[kNsub];
-#pragma unroll
-      for (int j = 0; j < kNsub; ++j) {
-        s_at[j] = s_sub[j] + first_group * group_words;
-        z_at[j] = z_sub[j] + first_group * group_words;
-      }
-      const int stages_per_group = chunks_per_group / kStage;  // kCpg == kStage
-      int stage_in_group = (kc - first_group * chunks_per_group) / kStage;
-      for (; kc + kStage <= kc_end; kc += kStage) {
-        uint4 wv[kStage][kNsub];
-        uint4 xv[kStage][MT][2];
-        uint32_t scale[kGroups][kNsub], zero_magic[kGroups][kNsub];
-#pragma unroll
-        for (int u = 0; u < kStage; ++u) {
-#pragma unroll
-          for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(w_at[j] + u * 32);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            xv[u][0][h] = __ldg(reinterpret_cast<const uint4*>(x_at + u * 64 + 8 * h));
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < kGroups; ++q) {
-#pragma unroll
-          for (int j = 0; j < kNsub; ++j) {
-            scale[q][j] = __ldg(s_at[j] + q * group_words);
-            zero_magic[q][j] = kZeros ? MagicPlusZero<T>(__ldg(z_at[j] + q * group_words))
-                                      : HalfType<T>::kMagicPlus8;
-          }
-        }
-        bool fold_last = true;  // whether the stage's last chunk ends its group (or the slice)
-        if constexpr (kCpg == kStage) {
-          fold_last = ++stage_in_group == stages_per_group || kc + kStage == kc_end;
-        }
-#pragma unroll
-        for (int u = 0; u < kStage; ++u) {
-          MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
-          if ((u + 1) % kCpg == 0 && (u + 1 < kStage || fold_last)) {
-            FoldGroup<T, kNsub, MT>(scale[u / kCpg], zero_magic[u / kCpg], gacc, xsum, acc);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kNsub; ++j) w_at[j] += kStage * 32;
-        x_at += kStage * 64;
-        if (kCpg < kStage || stage_in_group == stages_per_group) {
-          stage_in_group = 0;
-#pragma unroll
-          for (int j = 0; j < kNsub; ++j) {
-            s_at[j] += kGroups * group_words;
-            z_at[j] += kGroups * group_words;
-          }
-        }
-      }
-    };
     if constexpr (kGroupChunks != 0) {
+      // Full stages whose groups start and end at fixed chunks of the stage: groups of 1 or 2
+      // chunks from a group's first chunk (kCpg: each stage holds kStage / kCpg whole groups),
+      // or groups of a multiple of kStage chunks from a stage-aligned chunk (kCpg == kStage: a
+      // stage is part of one group, folded at its last chunk where the group or the slice
+      // ends). Each group's scale and zero-point words are read once, at fixed offsets from
+      // pointers that advance a group a step, and where a group ends is known at compile time:
+      // no count, no selects, no branch around the fold (GPTQ's groups of 128 are kCpg 2).
+      auto fixed_group_stages = [&](auto cpg_tag) {
+        constexpr int kCpg = decltype(cpg_tag)::value;
+        constexpr int kGroups = kStage / kCpg;
+        const int first_group = kc / chunks_per_group;
+        const uint32_t* s_at[kNsub];
+        const uint32_t* z_at[kNsub];
+#pragma unroll
+        for (int j = 0; j < kNsub; ++j) {
+          s_at[j] = s_sub[j] + first_group * group_words;
+          z_at[j] = z_sub[j] + first_group * group_words;
+        }
+        const int stages_per_group = chunks_per_group / kStage;  // kCpg == kStage
+        int stage_in_group = (kc - first_group * chunks_per_group) / kStage;
+        for (; kc + kStage <= kc_end; kc += kStage) {
+          uint4 wv[kStage][kNsub];
+          uint4 xv[kStage][MT][2];
+          uint32_t scale[kGroups][kNsub], zero_magic[kGroups][kNsub];
+#pragma unroll
+          for (int u = 0; u < kStage; ++u) {
+#pragma unroll
+            for (int j = 0; j < kNsub; ++j) wv[u][j] = LoadStreaming(w_at[j] + u * 32);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              xv[u][0][h] = __ldg(reinterpret_cast<const uint4*>(x_at + u * 64 + 8 * h));
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < kGroups; ++q) {
+#pragma unroll
+            for (int j = 0; j < kNsub; ++j) {
+              scale[q][j] = __ldg(s_at[j] + q * group_words);
+              zero_magic[q][j] = kZeros ? MagicPlusZero<T>(__ldg(z_at[j] + q * group_words))
+                                        : HalfType<T>::kMagicPlus8;
+            }
+          }
+          bool fold_last = true;  // whether the stage's last chunk ends its group (or the slice)
+          if constexpr (kCpg == kStage) {
+            fold_last = ++stage_in_group == stages_per_group || kc + kStage == kc_end;
+          }
+#pragma unroll
+          for (int u = 0; u < kStage; ++u) {
+            MmaChunkFolded<T, kCode, kNsub, MT>(wv[u], xv[u], gacc, xsum);
+            if ((u + 1) % kCpg == 0 && (u + 1 < kStage || fold_last)) {
+              FoldGroup<T, kNsub, MT>(scale[u / kCpg], zero_magic[u / kCpg], gacc, xsum, acc);
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kNsub; ++j) w_at[j] += kStage * 32;
+          x_at += kStage * 64;
+          if (kCpg < kStage || stage_in_group == stages_per_group) {
+            stage_in_group = 0;
+#pragma unroll
+            for (int j = 0; j < kNsub; ++j) {
+              s_at[j] += kGroups * group_words;
+              z_at[j] += kGroups * group_words;
+            }
+          }
+        }
+      };
       // The host takes these kernels only where the plan holds (FixedGroupChunks); should it not,
       // the counted loop below computes every stage.
       static_assert(kGroupChunks == 1 || kGroupChunks == 2 || kGroupChunks == kStage);
