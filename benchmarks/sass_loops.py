@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling benchmarks
+from sass_source_summary import opcode  # noqa: E402  (`@P0 LDG.E.128 R4, ...` -> LDG)
 
 _FUNCTION = re.compile(r"\n\s*Function : ")
 _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
-_PREDICATE = re.compile(r"^@!?U?P[T0-9]+\s+")
 
 
 def functions(text: str) -> dict[str, list[tuple[int, str]]]:
@@ -28,11 +32,6 @@ def functions(text: str) -> dict[str, list[tuple[int, str]]]:
     out[name.strip()] = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match,
                                                                        body.splitlines()) if m]
   return out
-
-
-def opcode(instruction: str) -> str:
-  """The opcode without predicate or modifiers: `@P0 LDG.E.128 R4, ...` -> LDG."""
-  return _PREDICATE.sub("", instruction).split()[0].split(".")[0]
 
 
 def loops(instructions: list[tuple[int, str]]) -> list[tuple[int, int, collections.Counter]]:
